@@ -1,0 +1,1 @@
+"""The sandbox: profiles compiled to bwrap argv, and the launcher that applies them."""
