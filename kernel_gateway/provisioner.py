@@ -112,22 +112,27 @@ class SandboxedKernelProvisioner(LocalProvisioner):
         km.connection_file = os.path.join(self.runtime_dir, "connection.json")
         self.kernel_spec.interrupt_mode = "message"
 
-        kwargs = await super().pre_launch(**kwargs)
-        cmd = kwargs["cmd"]
-        if not cmd or not os.path.isfile(cmd[0]) or not os.access(cmd[0], os.X_OK):
-            raise RuntimeError(
-                f"the kernel's Python environment is missing: {cmd[0] if cmd else '(empty argv)'} "
-                "is not an executable file; reinstall the environment or fix the kernelspec's argv"
+        try:
+            kwargs = await super().pre_launch(**kwargs)
+            cmd = kwargs["cmd"]
+            if not cmd or not os.path.isfile(cmd[0]) or not os.access(cmd[0], os.X_OK):
+                raise RuntimeError(
+                    f"the kernel's Python environment is missing: {cmd[0] if cmd else '(empty argv)'} "
+                    "is not an executable file; reinstall the environment or fix the kernelspec's argv"
+                )
+            profile = self._load_profile()
+            self._prepared = launch.prepare(
+                profile,
+                self._placeholder_values(cwd, cmd[0]),
+                cmd,
+                bwrap=self.bwrap or None,
+                name=f"kernel-{self.kernel_id[:8]}",
+                extra_env=self._sandbox_env(kwargs["env"]),
             )
-        profile = self._load_profile()
-        self._prepared = launch.prepare(
-            profile,
-            self._placeholder_values(cwd, cmd[0]),
-            cmd,
-            bwrap=self.bwrap or None,
-            name=f"kernel-{self.kernel_id[:8]}",
-            extra_env=self._sandbox_env(kwargs["env"]),
-        )
+        except Exception:
+            # The kernel manager never calls cleanup() when pre_launch fails.
+            self._release()
+            raise
         kwargs["cmd"] = self._prepared.argv
         kwargs["cwd"] = cwd
         return kwargs
@@ -144,18 +149,24 @@ class SandboxedKernelProvisioner(LocalProvisioner):
                 cwd=kwargs.get("cwd"),
                 **spawn,
             )
-        finally:
-            self._prepared.spawned()
+        except Exception:
+            self._release()  # nor when the launch fails
+            raise
+        self._prepared.spawned()
         self.pid = self.pgid = self.process.pid
         self.cwd = kwargs.get("cwd")
         return self.connection_info
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
+        self._release(keep_runtime_dir=restart)
+
+    def _release(self, keep_runtime_dir: bool = False) -> None:
+        """Remove the sandbox's cgroup and, unless kept for a restart, its runtime dir."""
         if self._prepared is not None:
             self._prepared.cleanup()
             self._prepared = None
-        if not restart and self.runtime_dir:
+        if not keep_runtime_dir and self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
             self.runtime_dir = None
 
