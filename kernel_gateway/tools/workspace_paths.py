@@ -1,0 +1,224 @@
+"""Confinement of filesystem access to a workspace root.
+
+Paths are taken relative to ``cwd`` (default: the root) and folded lexically;
+``..`` that climbs above the root, absolute paths elsewhere, and symlinks that
+are absolute or climb out are refused with :class:`PathOutsideRoot`.  Symlinks
+with relative targets that stay inside the root are followed.
+
+Checking a path and then using it is racy (a directory can be swapped for a
+symlink in between), so the ``*_in_root`` helpers never hand a full path to the
+kernel: they open relative to an fd of the root with Linux ``openat2(2)``
+(``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``), or, where that syscall is
+missing, walk the path one component at a time with ``O_NOFOLLOW`` and expand
+symlinks themselves, keeping every step beneath the root fd.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import pathlib
+import platform
+import stat
+
+# openat2 has the same number on every architecture using the unified syscall
+# table (x86_64, aarch64, arm, riscv, ppc, s390x, i386); elsewhere we walk.
+_OPENAT2 = 437 if platform.machine() in {
+    "x86_64", "amd64", "aarch64", "arm64", "armv7l", "armv8l", "riscv64",
+    "ppc64le", "ppc64", "s390x", "i386", "i686",
+} else None
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_BENEATH = 0x08
+_MAX_SYMLINKS = 40  # the kernel's limit, after which it answers ELOOP
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class PathOutsideRoot(ValueError):
+    """A path, or a symlink on its way, leads outside the workspace root."""
+
+    def __init__(self, path, root):
+        super().__init__(f"path '{os.fspath(path)}' is outside the workspace root '{os.fspath(root)}'")
+        self.path = os.fspath(path)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _relative_parts(root: str, path, cwd) -> list[str]:
+    """Components of `path` (taken from `cwd`) below the real root, folded lexically."""
+    root_real = os.path.realpath(root)
+    base = root_real
+    if cwd is not None:
+        base = os.path.join(root_real, os.fspath(cwd))  # a relative cwd is taken from the root
+        if _relative(root, root_real, base) is None:
+            raise PathOutsideRoot(cwd, root)
+    rel = _relative(root, root_real, _fold(os.path.join(base, os.fspath(path)).split("/")))
+    if rel is None:
+        raise PathOutsideRoot(path, root)
+    return [p for p in rel.split("/") if p]
+
+
+def _fold(parts: list[str]) -> str:
+    out: list[str] = []
+    for part in parts:
+        if part == "..":
+            out = out[:-1]
+        elif part not in ("", "."):
+            out.append(part)
+    return "/" + "/".join(out)
+
+
+def _relative(root: str, root_real: str, absolute: str) -> str | None:
+    """`absolute` relative to the root as given or as resolved; None if outside."""
+    absolute = _fold(absolute.split("/"))
+    for prefix in (root_real, _fold(os.path.abspath(root).split("/"))):
+        if absolute == prefix:
+            return ""
+        if absolute.startswith(prefix.rstrip("/") + "/"):
+            return absolute[len(prefix.rstrip("/")) + 1:]
+    return None
+
+
+def _walk(root: str, parts: list[str], follow_final: bool = True, create_dirs: bool = False):
+    """Resolve `parts` beneath the root by hand, one O_NOFOLLOW step at a time.
+
+    Returns (fds, name, resolved, exists): fds[-1] is the directory holding
+    `name` ("" when the path is that directory itself), `resolved` the
+    physical components below the root.  If a directory on the way is missing
+    the rest is folded lexically and `exists` is False.  The caller closes fds.
+    """
+    fds = [os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)]
+    resolved: list[str] = []
+    todo, links = list(parts), 0
+    try:
+        while todo:
+            name = todo.pop(0)
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if not resolved:
+                    raise PathOutsideRoot("/".join(parts), root)
+                os.close(fds.pop())
+                resolved.pop()
+                continue
+            last = not any(p not in ("", ".") for p in todo)
+            try:
+                st = os.stat(name, dir_fd=fds[-1], follow_symlinks=False)
+            except FileNotFoundError:
+                if create_dirs:
+                    os.mkdir(name, 0o777, dir_fd=fds[-1])
+                    todo.insert(0, name)
+                    continue
+                if last:
+                    return fds, name, resolved + [name], True
+                return fds, name, _fold_tail(root, parts, resolved + [name], todo), False
+            if stat.S_ISLNK(st.st_mode) and (follow_final or not last):
+                target = os.readlink(name, dir_fd=fds[-1])
+                links += 1
+                if target.startswith("/") or links > _MAX_SYMLINKS:
+                    raise PathOutsideRoot("/".join(parts), root)
+                todo[:0] = target.split("/")
+                continue
+            if last and not create_dirs:
+                return fds, name, resolved + [name], True
+            # O_NOFOLLOW: a symlink swapped in since the stat is refused (ENOTDIR).
+            flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            fds.append(os.open(name, flags, dir_fd=fds[-1]))
+            resolved.append(name)
+        return fds, "", resolved, True
+    except BaseException:
+        _close_all(fds)
+        raise
+
+
+def _fold_tail(root, parts, resolved, todo) -> list[str]:
+    """Past a missing directory nothing is a symlink: fold the rest lexically."""
+    out = list(resolved)
+    for name in todo:
+        if name == "..":
+            if not out:
+                raise PathOutsideRoot("/".join(parts), root)
+            out.pop()
+        elif name not in ("", "."):
+            out.append(name)
+    return out
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def resolve_in_root(root, path, cwd=None) -> pathlib.Path:
+    """Absolute path of `path` (relative to `cwd`, default the root) with its
+    symlinks resolved; raises PathOutsideRoot if it, or a symlink on its way,
+    leaves the root.  A path that does not exist yet is fine."""
+    root = os.fspath(root)
+    fds, _, resolved, _ = _walk(root, _relative_parts(root, path, cwd))
+    _close_all(fds)
+    return pathlib.Path(os.path.realpath(root), *resolved)
+
+
+def _openat2(root_fd: int, rel: str, flags: int, mode: int) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0,
+                   _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(_OPENAT2, root_fd, os.fsencode(rel or "."), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), rel)
+    return fd
+
+
+def open_in_root(root, path, flags, mode=0o644, cwd=None) -> int:
+    """An fd for `path` opened beneath `root`; no symlink can take it outside."""
+    root = os.fspath(root)
+    parts = _relative_parts(root, path, cwd)
+    if _OPENAT2 is not None:
+        root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return _openat2(root_fd, "/".join(parts), flags, mode)
+        except OSError as err:
+            if err.errno == errno.EXDEV:
+                raise PathOutsideRoot(path, root) from err
+            if err.errno != errno.ENOSYS:
+                raise
+        finally:
+            os.close(root_fd)
+    return _open_walking(root, path, parts, flags, mode)
+
+
+def _open_walking(root, path, parts, flags, mode) -> int:
+    fds, name, _, exists = _walk(root, parts)
+    try:
+        if not exists:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
+        # The walk expanded a final symlink; one appearing since is refused.
+        return os.open(name or ".", flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fds[-1])
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise PathOutsideRoot(path, root) from err
+        raise
+    finally:
+        _close_all(fds)
+
+
+def mkdirs_in_root(root, path, cwd=None) -> None:
+    """Create the directory `path` and its missing parents beneath `root`."""
+    root = os.fspath(root)
+    fds, _, _, _ = _walk(root, _relative_parts(root, path, cwd), create_dirs=True)
+    _close_all(fds)
+
+
+def unlink_in_root(root, path, cwd=None) -> None:
+    """Remove the file at `path` beneath `root` (a final symlink itself, not its target)."""
+    root = os.fspath(root)
+    fds, name, _, exists = _walk(root, _relative_parts(root, path, cwd), follow_final=False)
+    try:
+        if not exists or not name:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
+        os.unlink(name, dir_fd=fds[-1])
+    finally:
+        _close_all(fds)
