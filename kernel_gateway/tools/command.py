@@ -1,0 +1,362 @@
+"""The ``command`` tool: one shell command in a fresh sandbox over the agent's tree.
+
+:func:`run_command` validates the request body, compiles the ``command``
+profile with the working directory as ``$$workspace$$``, spawns bwrap from the
+event loop, feeds stdin, and collects stdout and stderr.  Each stream is kept
+whole up to ``output_limit`` bytes; past that only its head and tail stay in
+memory, with a marker between them, and the full stream goes to a spill file
+in ``spill_dir`` (inside the agent's tree, so the agent can read it).
+
+A timeout kills bwrap's process group and everything left in the sandbox's
+cgroup.  Nothing escapes the kill: bwrap runs the command in a new pid
+namespace whose init dies with bwrap (``--die-with-parent``), and the kernel
+then kills every process in that namespace, background jobs included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import math
+import os
+import signal
+import time
+import uuid
+from typing import Any, Awaitable, Callable, Mapping
+
+from ..errors import bad_request
+from ..sandbox import launch
+from .workspace_paths import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
+
+REQUEST_KEYS = ("command", "argv", "cwd", "timeout", "env", "stdin", "stream")
+READ_CHUNK = 1 << 16
+SANDBOX_SOCKET = "/run/kernel-gateway.sock"  # where the command profile binds the agent socket
+
+EventSink = Callable[[dict], Awaitable[None]]
+
+
+# --- the request -----------------------------------------------------------------
+
+
+def _no_nul(text: str, what: str) -> str:
+    if "\0" in text:
+        raise bad_request(f"{what} contains a NUL character", "remove the \\0 from it")
+    return text
+
+
+def _command_argv(request: Mapping[str, Any]) -> list[str]:
+    has_command, has_argv = "command" in request, "argv" in request
+    if has_command == has_argv:
+        raise bad_request(
+            "give exactly one of 'command' (a shell command line) and 'argv' (a list of strings)"
+            + (", not both" if has_command else ""),
+            'e.g. {"command": "ls -la"} or {"argv": ["ls", "-la"]}',
+        )
+    if has_command:
+        command = request["command"]
+        if not isinstance(command, str) or not command.strip():
+            raise bad_request(f"'command' must be a non-empty string, got {command!r}")
+        return ["/bin/sh", "-c", _no_nul(command, "'command'")]
+    argv = request["argv"]
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise bad_request(f"'argv' must be a non-empty list of strings, got {argv!r}")
+    if not argv[0]:
+        raise bad_request("'argv' must start with the program to run, got an empty string")
+    return [_no_nul(a, f"'argv[{i}]'") for i, a in enumerate(argv)]
+
+
+def _requested_timeout(request: Mapping[str, Any]) -> float | None:
+    timeout = request.get("timeout")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
+        raise bad_request(f"'timeout' must be a number of seconds, got {timeout!r}")
+    if timeout <= 0:
+        raise bad_request(f"'timeout' must be positive, got {timeout!r}")
+    return float(timeout)
+
+
+def _env(request: Mapping[str, Any]) -> dict[str, str]:
+    env = request.get("env", {})
+    if not isinstance(env, dict):
+        raise bad_request(f"'env' must be an object of NAME: string, got {type(env).__name__}")
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise bad_request(f"'env' has an invalid variable name {name!r}")
+        if not isinstance(value, str):
+            raise bad_request(
+                f"'env.{name}' must be a string, got {type(value).__name__}",
+                f'quote it: "{name}": "{value}"',
+            )
+        _no_nul(value, f"'env.{name}'")
+    return dict(env)
+
+
+def _stdin(request: Mapping[str, Any], max_stdin: int) -> bytes:
+    stdin = request.get("stdin", "")
+    if not isinstance(stdin, str):
+        raise bad_request(f"'stdin' must be a string, got {type(stdin).__name__}")
+    data = stdin.encode("utf-8", errors="surrogateescape")
+    if len(data) > max_stdin:
+        raise bad_request(
+            f"'stdin' is {len(data)} bytes, over the limit of {max_stdin} bytes",
+            "write the input to a file in the workspace and redirect it: cmd < file",
+            code="stdin_too_large",
+        )
+    return data
+
+
+def _cwd(request: Mapping[str, Any], agent_root: str) -> str:
+    cwd = request.get("cwd")
+    if cwd is None:
+        return os.path.realpath(agent_root)
+    if not isinstance(cwd, str) or not cwd:
+        raise bad_request(f"'cwd' must be a non-empty path string, got {cwd!r}")
+    try:
+        resolved = resolve_in_root(agent_root, _no_nul(cwd, "'cwd'"))
+    except PathOutsideRoot:
+        raise bad_request(
+            f"'cwd' {cwd!r} is outside the agent's workspace {agent_root}",
+            "use a path relative to the agent root, or an absolute path inside it",
+            code="outside_workspace",
+        ) from None
+    if not resolved.is_dir():
+        raise bad_request(f"'cwd' {cwd!r} is not an existing directory", code="bad_cwd")
+    return str(resolved)
+
+
+# --- bounded output ----------------------------------------------------------------
+
+
+def _decode_head(data: bytes) -> str:
+    # Drop a character cut in half at the end instead of showing a replacement mark.
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=False)
+
+
+def _decode_tail(data: bytes) -> str:
+    start = 0
+    while start < min(3, len(data)) and data[start] & 0xC0 == 0x80:
+        start += 1  # skip the continuation bytes of a character cut at the start
+    return data[start:].decode("utf-8", errors="replace")
+
+
+class BoundedStream:
+    """One output stream: whole up to ``limit`` bytes, then head + tail + spill file."""
+
+    def __init__(self, name: str, limit: int, open_spill: Callable[[str], tuple[str, int]]):
+        self.name = name
+        self.limit = limit
+        self.head_size = limit // 2
+        self.tail_size = limit - self.head_size
+        self._open_spill = open_spill
+        self.kept = bytearray()  # all output so far; once spilled, only the head
+        self.tail = bytearray()
+        self.total = 0
+        self.spill_path: str | None = None
+        self.spill_error: str | None = None
+        self._spill_fd: int | None = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.limit
+
+    def add(self, data: bytes) -> str:
+        """Take one chunk; return the text to stream right away ("" once past the limit)."""
+        before = self.total
+        self.total += len(data)
+        if before > self.limit:
+            self._spill(data)
+            self.tail += data
+            if len(self.tail) > self.tail_size:
+                del self.tail[: len(self.tail) - self.tail_size]
+            return ""
+        if self.total <= self.limit:
+            self.kept += data
+            return self._decoder.decode(data)
+        # This chunk crosses the limit: spill everything so far and keep head and tail.
+        shown = self._decoder.decode(data[: self.limit - before])
+        self.kept += data
+        try:
+            self.spill_path, self._spill_fd = self._open_spill(self.name)
+        except OSError as e:
+            self.spill_error = e.strerror or str(e)
+        self._spill(self.kept)
+        self.tail = self.kept[-self.tail_size :]
+        del self.kept[self.head_size :]
+        return shown + "\n" + self._marker("output continues") + "\n"
+
+    def _spill(self, data: bytes) -> None:
+        if self._spill_fd is None:
+            return
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._spill_fd, view) :]
+        except OSError as e:
+            # A full disk costs the spill file, not the command.
+            self.spill_error = e.strerror or str(e)
+            self.close()
+
+    def _marker(self, what: str) -> str:
+        if self.spill_error:
+            where = f"full output could not be saved: {self.spill_error}"
+        else:
+            where = f"full output in {self.spill_path}"
+        return f"[... {what}; {where} ...]"
+
+    def text(self) -> str:
+        if not self.truncated:
+            return bytes(self.kept).decode("utf-8", errors="replace")
+        cut = self.total - len(self.kept) - len(self.tail)
+        marker = self._marker(f"{cut} bytes cut")
+        return _decode_head(bytes(self.kept)) + "\n" + marker + "\n" + _decode_tail(bytes(self.tail))
+
+    def close(self) -> None:
+        if self._spill_fd is not None:
+            os.close(self._spill_fd)
+            self._spill_fd = None
+
+
+def _spill_opener(agent_root: str, spill_dir: str, run_id: str) -> Callable[[str], tuple[str, int]]:
+    """Creates spill files beneath the agent root: the agent could swap in a symlink."""
+
+    def open_spill(stream: str) -> tuple[str, int]:
+        mkdirs_in_root(agent_root, spill_dir)
+        path = os.path.join(spill_dir, f"{stream}-{run_id}.txt")
+        fd = open_in_root(agent_root, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        return str(resolve_in_root(agent_root, path)), fd
+
+    return open_spill
+
+
+# --- running -----------------------------------------------------------------------
+
+
+async def _pump(reader: asyncio.StreamReader, stream: BoundedStream, on_event: EventSink | None) -> None:
+    while chunk := await reader.read(READ_CHUNK):
+        shown = stream.add(chunk)
+        if on_event is not None and shown:
+            await on_event({"type": stream.name, "text": shown})
+
+
+async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        if data:
+            writer.write(data)
+            await writer.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the command did not read all of its input; that is its business
+    finally:
+        writer.close()
+
+
+def _exit_status(returncode: int) -> tuple[int | None, str | None]:
+    """(exit_code, signal name); bwrap reports a command killed by signal N as 128+N."""
+    if returncode < 0:
+        return None, signal.Signals(-returncode).name
+    if returncode > 128:
+        try:
+            return returncode, signal.Signals(returncode - 128).name
+        except ValueError:
+            pass
+    return returncode, None
+
+
+async def run_command(
+    request: dict,
+    *,
+    agent_root: str,
+    profile: dict,
+    values: dict,
+    spill_dir: str,
+    on_event: EventSink | None = None,
+    output_limit: int = 65536,
+    max_stdin: int = 1 << 20,
+    bwrap: str | None = None,
+) -> dict:
+    """Run one command in a fresh sandbox; return its exit status and bounded output.
+
+    Invalid requests raise :class:`GatewayError` (400) before anything runs.
+    """
+    if not isinstance(request, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(request).__name__}")
+    unknown = sorted(set(request) - set(REQUEST_KEYS))
+    if unknown:
+        raise bad_request(f"unknown key {unknown[0]!r}", f"allowed keys: {', '.join(REQUEST_KEYS)}")
+    if not isinstance(request.get("stream", False), bool):
+        raise bad_request(f"'stream' must be true or false, got {request['stream']!r}")
+    argv = _command_argv(request)
+    requested_timeout = _requested_timeout(request)
+    env = _env(request)
+    stdin = _stdin(request, max_stdin)
+    cwd = _cwd(request, agent_root)
+
+    values = {**values, "agent_root": agent_root, "workspace": cwd}
+    env["KERNEL_GATEWAY_AGENT"] = values.get("agent", os.path.basename(agent_root))
+    if values.get("agent_socket"):
+        env["KERNEL_GATEWAY_SOCKET"] = SANDBOX_SOCKET
+    run_id = uuid.uuid4().hex[:12]
+    prepared = launch.prepare(profile, values, argv, bwrap=bwrap, name=f"command-{run_id}", extra_env=env)
+    timeout, wall = requested_timeout, prepared.limits.wall_seconds
+    if wall is not None:
+        timeout = wall if timeout is None else min(timeout, wall)
+
+    opener = _spill_opener(agent_root, spill_dir, run_id)
+    out, err = BoundedStream("stdout", output_limit, opener), BoundedStream("stderr", output_limit, opener)
+    started = time.monotonic()
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *prepared.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cwd,
+            **prepared.spawn_kwargs(),
+        )
+    except BaseException:
+        prepared.cleanup()
+        raise
+    prepared.spawned()
+
+    timed_out = False
+    try:
+        supervise = asyncio.gather(
+            _pump(process.stdout, out, on_event),
+            _pump(process.stderr, err, on_event),
+            _feed(process.stdin, stdin),
+            process.wait(),
+        )
+        try:
+            await asyncio.wait_for(supervise, timeout)
+        except asyncio.TimeoutError:
+            timed_out = True
+    finally:
+        if process.returncode is None:
+            # Timed out, or the caller went away: end the whole sandbox now.
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await process.wait()
+        duration_ms = round((time.monotonic() - started) * 1000, 1)
+        # Kills whatever is left in the cgroup and waits for it to go: off the loop.
+        await asyncio.to_thread(prepared.cleanup)
+        out.close()
+        err.close()
+
+    exit_code, signal_name = _exit_status(process.returncode)
+    result = {
+        "exit_code": exit_code,
+        "signal": signal_name,
+        "stdout": out.text(),
+        "stderr": err.text(),
+        "timed_out": timed_out,
+        "truncated": out.truncated or err.truncated,
+        "duration_ms": duration_ms,
+    }
+    for stream in (out, err):
+        if stream.spill_path and not stream.spill_error:
+            result[f"{stream.name}_path"] = stream.spill_path
+    return result
+
