@@ -1,0 +1,106 @@
+"""The ``kernel-gateway`` command: serve, doctor, install-kernelspec."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from traitlets import Unicode
+from traitlets.config import Application
+
+from . import __version__
+from .settings import Gateway
+
+USAGE = """usage: kernel-gateway COMMAND [options]
+
+commands:
+  serve                 run the gateway in the foreground
+                        (--root DIR --state-dir DIR --socket PATH --config FILE,
+                        any --Gateway.<option>=VALUE; `serve --help-all` lists them)
+  doctor                check that sandboxed kernels can run on this machine
+  install-kernelspec    install the sandboxed Python kernel for JupyterLab / jupyter_client
+                        (--user, --prefix DIR, --name NAME)
+  --version             print the version
+"""
+
+
+class ServeApp(Application):
+    """Run the sandboxed live-kernel gateway."""
+
+    name = "kernel-gateway serve"
+    description = "Run the sandboxed live-kernel gateway on a Unix socket."
+    version = __version__
+    classes = [Gateway]
+    config_file = Unicode("", config=True, help="A config file (.py or .json) to load.")
+    aliases = {
+        "root": "Gateway.root",
+        "state-dir": "Gateway.state_dir",
+        "socket": "Gateway.socket",
+        "bwrap": "Gateway.bwrap",
+        "config": "ServeApp.config_file",
+        "log-level": "Application.log_level",
+    }
+
+    def start(self) -> None:
+        from .server.app import serve
+
+        if self.config_file:
+            path = os.path.abspath(self.config_file)
+            if not os.path.isfile(path):
+                self.exit(f"kernel-gateway: no config file {path}")
+            self.load_config_file(os.path.basename(path), path=os.path.dirname(path))
+            # Flags win over the file, as in every Jupyter application.
+            self.update_config(self.cli_config)
+        self.exit(serve(Gateway(parent=self)))
+
+
+def install_kernelspec(argv: list[str]) -> int:
+    import argparse
+    import tempfile
+
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from .provisioner import kernelspec_dict
+
+    parser = argparse.ArgumentParser(prog="kernel-gateway install-kernelspec")
+    parser.add_argument("--user", action="store_true", help="install for this user only")
+    parser.add_argument("--prefix", help="install under this prefix (e.g. a virtualenv)")
+    parser.add_argument("--name", default="python3-sandboxed", help="kernelspec name")
+    parser.add_argument("--agent-root", default="", help="the tree kernels may write (default: their cwd)")
+    args = parser.parse_args(argv)
+    config = {"agent_root": os.path.abspath(args.agent_root)} if args.agent_root else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "kernel.json"), "w") as f:
+            json.dump(kernelspec_dict(config=config), f, indent=1)
+        where = KernelSpecManager().install_kernel_spec(
+            tmp, kernel_name=args.name, user=args.user, prefix=args.prefix
+        )
+    print(f"installed kernelspec {args.name!r} in {where}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command in ("--version", "version"):
+        print(__version__)
+        return 0
+    if command == "serve":
+        ServeApp.launch_instance(rest)
+        return 0
+    if command == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(rest)
+    if command == "install-kernelspec":
+        return install_kernelspec(rest)
+    print(f"kernel-gateway: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

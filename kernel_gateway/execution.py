@@ -1,0 +1,294 @@
+"""Run one cell on a live kernel and turn what it says into an execute result.
+
+The result keeps nbformat v4 output shapes (so outputs can be saved into a
+notebook as they are) plus a compact, ANSI-free ``text`` for agents.  The
+kernel-side extension (:mod:`kernel_gateway.kernel_ext`) already bounds large
+outputs and writes images to artifact files; it announces what it did through
+two private MIME types that are turned into ``truncated``, ``spill_paths`` and
+``artifacts`` here.  The gateway still bounds what it keeps, so a kernel that
+bypasses the extension cannot grow the gateway without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import queue
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+ARTIFACT_MIME = "application/vnd.kernel-gateway.artifact+json"
+TRUNCATION_MIME = "application/vnd.kernel-gateway.truncation+json"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
+TRACEBACK_FRAMES = 3
+POLL_SECONDS = 0.5
+INTERRUPT_GRACE_SECONDS = 5.0
+
+OutputCallback = Callable[[dict], Awaitable[None]]
+
+
+def strip_ansi(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+@dataclass
+class KernelDied(Exception):
+    """The kernel process ended while (or before) running a cell."""
+
+    exit_code: int | None
+    signal: int | None
+
+    def sentence(self) -> str:
+        how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
+        return (
+            f"The kernel died ({how}); every variable, import and open file of this session is lost. "
+            "The next execute starts a fresh kernel."
+        )
+
+
+@dataclass
+class CellRun:
+    """What one execution gathered; ``result()`` renders it."""
+
+    limit: int
+    inline_images: bool = False
+    outputs: list[dict] = field(default_factory=list)
+    artifacts: list[dict] = field(default_factory=list)
+    spill_paths: list[str] = field(default_factory=list)
+    truncated: bool = False
+    error: dict | None = None
+    execution_count: int | None = None
+    status: str = "ok"
+    notice: str | None = None
+
+    def _stream(self, name: str, text: str) -> dict:
+        last = self.outputs[-1] if self.outputs else None
+        if last and last["output_type"] == "stream" and last["name"] == name:
+            last["text"] += text
+            # Second line of defence: the kernel side bounds output already.
+            if len(last["text"]) > 2 * self.limit:
+                half = self.limit // 2
+                cut = len(last["text"]) - self.limit
+                last["text"] = (
+                    last["text"][:half]
+                    + f"\n[... {cut} characters cut by the gateway ...]\n"
+                    + last["text"][-half:]
+                )
+                self.truncated = True
+            return {"output_type": "stream", "name": name, "text": text}
+        output = {"output_type": "stream", "name": name, "text": text}
+        self.outputs.append(dict(output))
+        return output
+
+    def _rich(self, msg_type: str, content: dict) -> dict | None:
+        data = dict(content.get("data", {}))
+        if TRUNCATION_MIME in data:
+            note = data[TRUNCATION_MIME]
+            self.truncated = True
+            if note.get("path") and note["path"] not in self.spill_paths:
+                self.spill_paths.append(note["path"])
+            return None
+        if ARTIFACT_MIME in data:
+            ref = data[ARTIFACT_MIME]
+            self.artifacts.append({"mime": ref.get("mime"), "path": ref.get("path")})
+            if self.inline_images:
+                data = inline_artifact(data)
+        output = {"output_type": msg_type, "data": data, "metadata": content.get("metadata", {})}
+        if msg_type == "execute_result":
+            output["execution_count"] = content.get("execution_count")
+        self.outputs.append(output)
+        return output
+
+    def add(self, msg_type: str, content: dict) -> dict | None:
+        """Fold one iopub message in; return the output event to stream, if any."""
+        if msg_type == "stream":
+            return self._stream(content["name"], content["text"])
+        if msg_type in ("execute_result", "display_data"):
+            return self._rich(msg_type, content)
+        if msg_type == "error":
+            self.error = {
+                "ename": content.get("ename", ""),
+                "evalue": content.get("evalue", ""),
+                "traceback": content.get("traceback", []),
+            }
+            output = {"output_type": "error", **self.error}
+            self.outputs.append(output)
+            return output
+        if msg_type == "clear_output":
+            self.outputs.clear()
+        if msg_type == "execute_input":
+            self.execution_count = content.get("execution_count")
+        return None
+
+    def text(self) -> str:
+        parts = []
+        for output in self.outputs:
+            kind = output["output_type"]
+            if kind == "stream":
+                parts.append(output["text"])
+            elif kind in ("execute_result", "display_data"):
+                data = output["data"]
+                if ARTIFACT_MIME in data:
+                    ref = data[ARTIFACT_MIME]
+                    parts.append(f"[{ref.get('mime')} saved to {ref.get('path')}]\n")
+                elif "text/plain" in data:
+                    plain = data["text/plain"]
+                    parts.append(plain if plain.endswith("\n") else plain + "\n")
+            elif kind == "error":
+                parts.append(short_error(output))
+        return strip_ansi("".join(parts))
+
+    def result(self, duration_s: float) -> dict:
+        return {
+            "status": self.status,
+            "execution_count": self.execution_count,
+            "outputs": self.outputs,
+            "text": self.text(),
+            "error": self.error,
+            "artifacts": self.artifacts,
+            "truncated": self.truncated,
+            "spill_paths": self.spill_paths,
+            "duration_ms": round(duration_s * 1000, 2),
+            **({"notice": self.notice} if self.notice else {}),
+        }
+
+
+def short_error(error: dict) -> str:
+    """``Type: message`` and the last frames of the traceback, for an agent to read."""
+    frames = [strip_ansi(line) for line in error.get("traceback", [])]
+    tail = frames[-TRACEBACK_FRAMES - 1 : -1] if len(frames) > 1 else []
+    lines = [f"{error.get('ename')}: {error.get('evalue')}"]
+    if tail:
+        lines.append("Traceback (last frames):")
+        lines.extend(frame.rstrip() for frame in tail)
+    return "\n".join(lines) + "\n"
+
+
+def inline_artifact(data: dict) -> dict:
+    """Put an artifact's bytes back in as base64 (when the client asked for it)."""
+    ref = data.get(ARTIFACT_MIME, {})
+    path, mime = ref.get("path"), ref.get("mime")
+    if not path or not mime:
+        return data
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return data
+    data = {k: v for k, v in data.items() if k != ARTIFACT_MIME}
+    data[mime] = raw.decode() if mime == "image/svg+xml" else base64.b64encode(raw).decode()
+    return data
+
+
+async def _next_iopub(kc: Any, timeout: float) -> dict | None:
+    try:
+        return await kc.get_iopub_msg(timeout=timeout)
+    except (queue.Empty, asyncio.TimeoutError, TimeoutError):
+        return None
+
+
+async def run_cell(
+    kc: Any,
+    code: str,
+    *,
+    is_alive: Callable[[], Awaitable[bool]],
+    interrupt: Callable[[], Awaitable[None]],
+    exit_status: Callable[[], tuple[int | None, int | None]],
+    timeout: float | None,
+    limit: int,
+    inline_images: bool = False,
+    on_output: OutputCallback | None = None,
+) -> dict:
+    """Execute ``code`` and gather its result.  The caller holds the session's lock.
+
+    A timeout interrupts the kernel and returns what came so far with status
+    ``timeout``; a dead kernel raises :class:`KernelDied`.
+    """
+    run = CellRun(limit=limit, inline_images=inline_images)
+    started = time.monotonic()
+    msg_id = kc.execute(code, allow_stdin=False, stop_on_error=False)
+    deadline = None if timeout is None else started + timeout
+    try:
+        await _gather(kc, run, msg_id, deadline, interrupt, is_alive, exit_status, on_output)
+    except asyncio.CancelledError:
+        # The client went away: stop the cell rather than let it run on unseen.
+        await interrupt()
+        raise
+    reply = await _shell_reply(kc, msg_id, 1.0 if run.status == "timeout" else 5.0)
+    if reply is not None:
+        run.execution_count = reply["content"].get("execution_count", run.execution_count)
+        if run.status != "timeout" and reply["content"].get("status") != "ok":
+            run.status = "error"
+            if run.error is None:
+                content = reply["content"]
+                run.error = {
+                    "ename": content.get("ename", "Error"),
+                    "evalue": content.get("evalue", ""),
+                    "traceback": content.get("traceback", []),
+                }
+    elif run.status != "timeout" and run.error is not None:
+        run.status = "error"
+    return run.result(time.monotonic() - started)
+
+
+async def _gather(
+    kc: Any,
+    run: CellRun,
+    msg_id: str,
+    deadline: float | None,
+    interrupt: Callable[[], Awaitable[None]],
+    is_alive: Callable[[], Awaitable[bool]],
+    exit_status: Callable[[], tuple[int | None, int | None]],
+    on_output: OutputCallback | None,
+) -> None:
+    """Read iopub until the cell is idle, interrupting it once past its deadline."""
+    interrupted_at = None
+    while True:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline and interrupted_at is None:
+            run.status = "timeout"
+            interrupted_at = now
+            await interrupt()
+        if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE_SECONDS:
+            # The interrupt did not land (C code that ignores it): report what we have.
+            return
+        wait = POLL_SECONDS if deadline is None else max(0.01, min(POLL_SECONDS, deadline - now))
+        msg = await _next_iopub(kc, wait)
+        if msg is None:
+            if not await is_alive():
+                code_, sig = exit_status()
+                raise KernelDied(code_, sig)
+            continue
+        if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            continue
+        msg_type, content = msg["header"]["msg_type"], msg["content"]
+        if msg_type == "status" and content.get("execution_state") == "idle":
+            return
+        event = run.add(msg_type, content)
+        if event is not None and on_output is not None:
+            await on_output(event)
+
+
+async def _shell_reply(kc: Any, msg_id: str, timeout: float) -> dict | None:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            reply = await kc.get_shell_msg(timeout=left)
+        except (queue.Empty, asyncio.TimeoutError, TimeoutError):
+            return None
+        if reply.get("parent_header", {}).get("msg_id") == msg_id:
+            return reply
+    return None
+
+
+def exit_status_of(returncode: int | None) -> tuple[int | None, int | None]:
+    """(exit code, signal) from a Popen returncode; bwrap reports a signal as 128+N."""
+    if returncode is None:
+        return None, None
+    if returncode < 0:
+        return None, -returncode
+    if returncode > 128:
+        return returncode, returncode - 128
+    return returncode, None

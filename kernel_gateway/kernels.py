@@ -1,0 +1,142 @@
+"""Start, adopt and stop one sandboxed kernel of one agent.
+
+A :class:`Kernel` is an ``AsyncKernelManager`` using the bwrap provisioner
+plus a started client.  The gateway keeps its kernelspec in the state
+directory, so no Jupyter data directory of the host is consulted.  A spare
+kernel is started in the agent's root and *adopted* by a session later: it
+moves to the session's directory and learns the session's id, without
+leaving a name in the user's namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from traitlets.config import Config
+
+from .execution import exit_status_of
+from .provisioner import kernelspec_dict
+
+KERNEL_NAME = "python3"
+AGENT_SOCKET_INSIDE = "/run/kernel-gateway.sock"
+KERNEL_EXTENSION = "kernel_gateway.kernel_ext"
+
+
+def write_kernelspec(state_dir: str) -> str:
+    """The gateway's own kernelspec directory (rewritten at each start)."""
+    kernels = os.path.join(state_dir, "kernels")
+    spec_dir = os.path.join(kernels, KERNEL_NAME)
+    os.makedirs(spec_dir, exist_ok=True)
+    spec = kernelspec_dict()
+    spec["argv"] += [f"--IPKernelApp.extensions={KERNEL_EXTENSION}"]
+    with open(os.path.join(spec_dir, "kernel.json"), "w") as f:
+        json.dump(spec, f, indent=1)
+    return kernels
+
+
+@dataclass
+class KernelOptions:
+    """Everything a kernel start needs that is not per-session."""
+
+    kernelspec_dir: str
+    profile: str
+    bwrap: str
+    log_dir: str
+    output_limit: int
+    startup_timeout: float
+
+
+class Kernel:
+    """A running sandboxed kernel and its client."""
+
+    def __init__(self, km: AsyncKernelManager, kc: Any, log: Any):
+        self.km = km
+        self.kc = kc
+        self._log = log
+
+    @classmethod
+    async def start(
+        cls, options: KernelOptions, *, agent: str, agent_root: str, cwd: str, agent_socket: str, session: str = ""
+    ) -> "Kernel":
+        config = Config()
+        config.SandboxedKernelProvisioner.profile = options.profile
+        config.SandboxedKernelProvisioner.agent_root = agent_root
+        config.SandboxedKernelProvisioner.agent = agent
+        config.SandboxedKernelProvisioner.agent_socket = agent_socket
+        config.SandboxedKernelProvisioner.bwrap = options.bwrap
+        config.SandboxedKernelProvisioner.env = {
+            "KERNEL_GATEWAY_AGENT": agent,
+            "KERNEL_GATEWAY_SOCKET": AGENT_SOCKET_INSIDE,
+            "KERNEL_GATEWAY_OUTPUT_LIMIT": str(options.output_limit),
+            "JLK_SESSION": session,
+        }
+        km = AsyncKernelManager(
+            kernel_name=KERNEL_NAME,
+            kernel_spec_manager=KernelSpecManager(kernel_dirs=[options.kernelspec_dir]),
+            config=config,
+        )
+        os.makedirs(options.log_dir, exist_ok=True)
+        log = open(os.path.join(options.log_dir, f"kernel-{agent}.log"), "ab")
+        try:
+            await km.start_kernel(cwd=cwd, stdout=log, stderr=log)
+            kc = km.client()
+            kc.start_channels()
+            try:
+                await kc.wait_for_ready(timeout=options.startup_timeout)
+            except Exception:
+                kc.stop_channels()
+                raise
+        except Exception:
+            if km.has_kernel:
+                await km.shutdown_kernel(now=True)
+            log.close()
+            raise
+        return cls(km, kc, log)
+
+    async def adopt(self, cwd: str, session: str) -> None:
+        """Move a spare kernel into a session: chdir, HOME and $JLK_SESSION, no names left."""
+        code = (
+            "(lambda os: (os.chdir({cwd!r}), os.environ.update(HOME={cwd!r}, JLK_SESSION={session!r})))"
+            "(__import__('os'))"
+        ).format(cwd=cwd, session=session)
+        msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+        while True:
+            reply = await self.kc.get_shell_msg(timeout=10)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"could not move the spare kernel into {cwd}: {reply['content'].get('evalue')}")
+
+    async def is_alive(self) -> bool:
+        return await self.km.is_alive()
+
+    async def interrupt(self) -> None:
+        await self.km.interrupt_kernel()
+
+    def exit_status(self) -> tuple[int | None, int | None]:
+        process = getattr(self.km.provisioner, "process", None)
+        return exit_status_of(process.poll() if process is not None else None)
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.km.provisioner, "pid", None)
+
+    async def restart(self) -> None:
+        await self.km.restart_kernel(now=True)
+        await self.kc.wait_for_ready(timeout=60)
+
+    async def shutdown(self, now: bool = False) -> None:
+        try:
+            self.kc.stop_channels()
+            if self.km.has_kernel:
+                await self.km.shutdown_kernel(now=now)
+            else:
+                # Already dead: still run the provisioner's cleanup (cgroup, runtime dir).
+                await self.km.cleanup_resources()
+        finally:
+            self._log.close()

@@ -1,0 +1,1 @@
+"""HTTP over Unix sockets: thin Tornado handlers over the plain-Python core."""

@@ -1,0 +1,185 @@
+"""The gateway process: its sockets, its routes, its start and its stop.
+
+One Tornado IOLoop serves the control socket (the full API, mode 0600 in a
+0700 directory) and one socket per agent (the same routes, scoped to that
+agent, bound into the agent's sandboxes).  SIGTERM stops accepting, shuts
+every kernel down and removes the sockets, so a second start works at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from tornado import httpserver, netutil, web
+
+from .. import __version__
+from ..sandbox import cgroups
+from ..sandbox.launch import SandboxUnavailable, find_bwrap
+from ..sessions import SessionManager
+from ..settings import Gateway
+from . import session_routes
+from .base import NotFoundHandler
+
+ROUTE_MODULES = [session_routes]
+
+
+@dataclass
+class Core:
+    """What every handler reaches: the settings and the plain-Python core."""
+
+    settings: Gateway
+    sessions: SessionManager
+    info: dict = field(default_factory=dict)
+
+
+def make_app(core: Core, scope: str | None = None) -> web.Application:
+    handlers = [
+        (pattern, handler, {"core": core, "scope": scope})
+        for module in ROUTE_MODULES
+        for pattern, handler in module.routes()
+    ]
+    return web.Application(
+        handlers,
+        default_handler_class=NotFoundHandler,
+        default_handler_args={"core": core, "scope": scope},
+    )
+
+
+def bwrap_version(path: str) -> str:
+    try:
+        return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+class GatewayServer:
+    """Listening sockets and lifecycle around one :class:`Core`."""
+
+    def __init__(self, settings: Gateway):
+        self.settings = settings.resolved()
+        self.servers: dict[str | None, tuple[httpserver.HTTPServer, str]] = {}
+        self._lock_file: Any = None
+        self._stopping = False
+        self._cull_task: asyncio.Task | None = None
+
+    def _prepare_dirs(self) -> None:
+        s = self.settings
+        os.makedirs(s.root, exist_ok=True)
+        os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
+        os.chmod(s.state_dir, 0o700)
+        for d in (os.path.dirname(s.socket), os.path.join(s.state_dir, "agents")):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)
+        self._lock_file = open(os.path.join(s.state_dir, "gateway.lock"), "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"another gateway is running with the state directory {s.state_dir}") from None
+
+    def _listen(self, path: str, scope: str | None) -> None:
+        sock = netutil.bind_unix_socket(path, mode=0o600)
+        server = httpserver.HTTPServer(
+            make_app(self.core, scope),
+            # Above the configured cap, so the handler can answer 413 in JSON.
+            max_body_size=self.settings.max_body_size + (1 << 20),
+            idle_connection_timeout=3600,
+        )
+        server.add_sockets([sock])
+        self.servers[scope] = (server, path)
+
+    def _agent_created(self, agent: str) -> None:
+        if agent not in self.servers:
+            self._listen(self.core.sessions.agent_socket(agent), agent)
+
+    async def start(self) -> None:
+        s = self.settings
+        bwrap = find_bwrap(s.bwrap or None)
+        self._prepare_dirs()
+        sessions = SessionManager(s, on_agent=lambda agent: None)
+        self.core = Core(settings=s, sessions=sessions)
+        self.core.info = {
+            "version": __version__,
+            "bwrap": {"path": bwrap, "version": bwrap_version(bwrap)},
+            "sandbox": {"process_limits": cgroups.describe() or "rlimits only (no writable cgroup)"},
+            "limits": {
+                "output_limit": s.output_limit,
+                "max_body_size": s.max_body_size,
+                "default_timeout": s.default_timeout,
+                "max_sessions_per_agent": s.max_sessions_per_agent,
+                "max_sessions_total": s.max_sessions_total,
+                "cull_idle_timeout": s.cull_idle_timeout,
+                "spare_kernels": s.spare_kernels,
+            },
+            "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket},
+        }
+        sessions.load_registry()
+        self._listen(s.socket, None)
+        for agent in sorted(sessions.agents):
+            self._agent_created(agent)
+        sessions.on_agent = self._agent_created
+        self._cull_task = asyncio.ensure_future(self._cull_loop())
+
+    async def _cull_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.cull_interval)
+            try:
+                await self.core.sessions.cull_idle()
+                self.core.sessions.save_registry()
+            except Exception:  # a failed cull must not stop the next one
+                pass
+
+    async def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._cull_task:
+            self._cull_task.cancel()
+        for server, _path in self.servers.values():
+            server.stop()
+        await self.core.sessions.shutdown_all()
+        for _server, path in self.servers.values():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.servers.clear()
+        self.core.sessions.audit.close()
+        if self._lock_file:
+            self._lock_file.close()
+
+
+def serve(settings: Gateway) -> int:
+    """Run the gateway in the foreground until SIGTERM or SIGINT."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    gateway = GatewayServer(settings)
+    try:
+        loop.run_until_complete(gateway.start())
+    except SandboxUnavailable as e:
+        print(f"kernel-gateway: {e}", file=sys.stderr)
+        return 1
+    done = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, done.set)
+    s = gateway.settings
+    print(f"kernel-gateway {__version__} listening on {s.socket}", flush=True)
+    print(f"  agents:    {s.root}\n  state:     {s.state_dir}\n  bwrap:     {gateway.core.info['bwrap']['version']}")
+    print(f"  process limits: {gateway.core.info['sandbox']['process_limits']}")
+    print(
+        "Try:\n  curl -s --unix-socket " + s.socket + " -X POST http://kg/v1/agents/demo/sessions/default/execute"
+        " -d '{\"code\": \"print(6 * 7)\"}'\n(first create the agent: curl -s --unix-socket "
+        + s.socket + " -X PUT http://kg/v1/agents/demo)",
+        flush=True,
+    )
+    loop.run_until_complete(done.wait())
+    print("kernel-gateway: stopping: shutting kernels down", flush=True)
+    loop.run_until_complete(gateway.stop())
+    loop.close()
+    return 0

@@ -1,0 +1,192 @@
+"""The base of every HTTP handler: JSON in and out, errors, agent scoping, audit.
+
+Handlers stay thin: parse, call the core, render.  Whatever goes wrong
+reaches the client as ``{"error": {"code", "message", "hint"}}`` with a
+fitting status, never as a traceback.  On an agent socket every route is
+scoped to that one agent (``me`` is its alias); anything else is 403.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from tornado import web
+
+from ..errors import GatewayError, bad_request
+
+log = logging.getLogger("kernel_gateway")
+
+_HTTP_CODES = {
+    400: "bad_request",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    411: "length_required",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    429: "too_many_requests",
+}
+
+
+class BaseHandler(web.RequestHandler):
+    """JSON handlers over the plain-Python core in ``self.core``."""
+
+    tool = "api"
+
+    def initialize(self, core: Any, scope: str | None = None) -> None:
+        self.core = core
+        self.scope = scope  # the agent of an agent socket; None on the control socket
+        self._started = time.monotonic()
+        self._agent: str | None = None
+        self._session: str | None = None
+        self._bytes_out = 0
+
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+
+    def prepare(self) -> None:
+        limit = self.core.settings.max_body_size
+        if len(self.request.body or b"") > limit:
+            raise GatewayError(
+                413, "body_too_large", f"request body is {len(self.request.body)} bytes; the limit is {limit}",
+                "send less, or raise --Gateway.max_body_size",
+            )
+
+    # --- parsing ----------------------------------------------------------------
+
+    def agent_arg(self, agent: str) -> str:
+        """The agent a route names, checked against the socket's scope."""
+        if self.scope is not None:
+            if agent == "me":
+                agent = self.scope
+            if agent != self.scope:
+                raise GatewayError(
+                    403, "forbidden", f"this socket belongs to agent {self.scope!r}; {agent!r} is out of reach"
+                )
+        elif agent == "me":
+            raise bad_request("'me' only means something on an agent socket", "name the agent", code="invalid_agent")
+        self._agent = agent
+        return agent
+
+    def session_arg(self, session: str) -> str:
+        self._session = session
+        return session
+
+    def require_control_socket(self) -> None:
+        if self.scope is not None:
+            raise GatewayError(403, "forbidden", "this route is only on the control socket")
+
+    def json_body(self, fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
+        """The body as a JSON object with only ``fields`` (name -> type or tuple of types)."""
+        raw = self.request.body or b"{}"
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object", code="malformed_json")
+        return check_fields(body, fields, required)
+
+    def query_int(self, name: str, default: int | None, minimum: int = 0) -> int | None:
+        raw = self.get_query_argument(name, None)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise bad_request(f"query parameter {name} must be a whole number, got {raw!r}") from None
+        if value < minimum:
+            raise bad_request(f"query parameter {name} must be at least {minimum}, got {value}")
+        return value
+
+    def query_bool(self, name: str) -> bool:
+        raw = self.get_query_argument(name, "0").lower()
+        if raw not in ("0", "1", "true", "false", "yes", "no", ""):
+            raise bad_request(f"query parameter {name} must be 0 or 1, got {raw!r}")
+        return raw in ("1", "true", "yes")
+
+    # --- rendering --------------------------------------------------------------
+
+    def send_json(self, obj: Any, status: int = 200) -> None:
+        self.set_status(status)
+        text = json.dumps(obj)
+        self._bytes_out += len(text)
+        self.finish(text)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        error = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(error, GatewayError):
+            body = error.to_json()
+        elif isinstance(error, web.HTTPError) and status_code < 500:
+            body = {
+                "error": {
+                    "code": _HTTP_CODES.get(status_code, "http_error"),
+                    "message": error.log_message or self._reason,
+                    "hint": "see GET /v1/info and the README for the routes" if status_code in (404, 405) else "",
+                }
+            }
+        else:
+            body = {"error": {"code": "internal", "message": "internal error", "hint": "see the gateway's log"}}
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        error = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(error, GatewayError):
+            status_code = error.status
+        super().send_error(status_code, **kwargs)
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, GatewayError):
+            return  # a client error, already in the response and the audit log
+        super().log_exception(typ, value, tb)
+
+    def on_finish(self) -> None:
+        if self.tool == "api" and self.get_status() < 400 and self.request.method == "GET":
+            return  # reads of the API itself are not tool calls
+        self.core.sessions.audit.record(
+            agent=self._agent,
+            session=self._session,
+            tool=self.tool,
+            status=self.get_status(),
+            duration_ms=(time.monotonic() - self._started) * 1000,
+            bytes_in=len(self.request.body or b""),
+            bytes_out=self._bytes_out,
+        )
+
+
+def check_fields(body: dict, fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
+    """Refuse unknown fields, missing required ones, and wrong types (bool is not a number)."""
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise bad_request(
+            f"unknown field {unknown[0]!r}", f"allowed fields: {', '.join(sorted(fields))}", code="unknown_field"
+        )
+    for name in required:
+        if name not in body:
+            raise bad_request(f"missing field {name!r}", code="missing_field")
+    for name, expected in fields.items():
+        if name not in body:
+            continue
+        value = body[name]
+        types = expected if isinstance(expected, tuple) else (expected,)
+        numeric = any(t in (int, float) for t in types)
+        if not isinstance(value, types) or (numeric and isinstance(value, bool) and bool not in types):
+            names = " or ".join(t.__name__ if t is not type(None) else "null" for t in types)
+            raise bad_request(
+                f"field {name!r} must be {names}, got {type(value).__name__}", code="wrong_type"
+            )
+    return body
+
+
+class NotFoundHandler(BaseHandler):
+    """Unknown paths get a JSON 404 too."""
+
+    def prepare(self) -> None:
+        raise GatewayError(404, "no_route", f"no route {self.request.method} {self.request.path}",
+                           "see the README for the routes")

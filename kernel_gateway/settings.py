@@ -1,0 +1,54 @@
+"""The gateway's settings: one traitlets Configurable, set from a config file or flags.
+
+As elsewhere in Jupyter, every option can be given on the command line
+(``--Gateway.max_sessions_per_agent=8`` or a short alias such as ``--root``)
+or in a config file (``kernel_gateway_config.py`` / ``.json``) named with
+``--config``.  The embedded defaults run a demo from the project folder:
+agents under ``./var/agents``, state under ``./var/state``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from traitlets import Bool, Dict, Float, Int, Unicode
+from traitlets.config import Configurable
+
+
+class Gateway(Configurable):
+    """Settings of one gateway process."""
+
+    root = Unicode("var/agents", config=True, help="Directory holding every agent's tree.")
+    state_dir = Unicode(
+        "var/state", config=True, help="Control-plane state: registry, logs, sockets. Never mounted into a sandbox."
+    )
+    socket = Unicode("", config=True, help="Control socket path; default: <state_dir>/control.sock.")
+    bwrap = Unicode("", config=True, help="Path of bwrap; default: found on PATH.")
+    kernel_profile = Unicode("kernel", config=True, help="Sandbox profile of kernels (built-in name or JSON path).")
+    command_profile = Unicode("command", config=True, help="Sandbox profile of commands.")
+    agent_profiles = Dict(
+        config=True,
+        help='Per-agent profile overrides: {"alice": {"kernel": "/etc/kg/net-kernel.json"}}.',
+    )
+    output_limit = Int(65536, config=True, help="Bytes of each stream or result kept (head and tail).")
+    max_body_size = Int(16 << 20, config=True, help="Largest request body accepted, in bytes.")
+    default_timeout = Float(600.0, config=True, help="Execute timeout when a request gives none, in seconds.")
+    max_timeout = Float(24 * 3600.0, config=True, help="Largest timeout a request may ask for.")
+    startup_timeout = Float(60.0, config=True, help="Seconds a kernel may take to answer after start.")
+    max_sessions_per_agent = Int(16, config=True, help="Live sessions one agent may hold.")
+    max_sessions_total = Int(256, config=True, help="Live sessions in all.")
+    max_spare_kernels = Int(8, config=True, help="Ready kernels kept in all (one per active agent at most).")
+    spare_kernels = Bool(True, config=True, help="Keep one ready kernel per agent after its first session.")
+    cull_idle_timeout = Float(3600.0, config=True, help="Shut down sessions idle this long (0: never).")
+    cull_interval = Float(60.0, config=True, help="How often to look for idle sessions, in seconds.")
+    audit_code = Bool(False, config=True, help="Also write the code of each call to the audit log.")
+
+    def resolved(self) -> "Gateway":
+        """Absolute paths, so later chdirs cannot move them."""
+        self.root = os.path.abspath(self.root)
+        self.state_dir = os.path.abspath(self.state_dir)
+        self.socket = os.path.abspath(self.socket or os.path.join(self.state_dir, "control.sock"))
+        return self
+
+    def profile_for(self, agent: str, kind: str) -> str:
+        return self.agent_profiles.get(agent, {}).get(kind) or getattr(self, f"{kind}_profile")

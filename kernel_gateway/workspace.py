@@ -1,0 +1,78 @@
+"""Agent keys, session ids and the on-disk layout of an agent's workspace.
+
+::
+
+    <root>/<agent-key>/
+    ├── SOUL.md  MISSION.md  DESIGN.md
+    ├── user-files/
+    ├── installed-skills/
+    ├── sessions/<base64url-session-id>/     # cwd of that session's kernel
+    └── jobs/<job-id>/
+
+The agent sees these paths as they are: there is no path translation.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+
+from .errors import bad_request
+
+AGENT_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+DOCUMENTS = ("SOUL.md", "MISSION.md", "DESIGN.md")
+DIRECTORIES = ("user-files", "installed-skills", "sessions", "jobs")
+
+
+def check_agent_key(agent: object) -> str:
+    if not isinstance(agent, str) or not AGENT_KEY.match(agent):
+        raise bad_request(
+            f"invalid agent key {agent!r}",
+            "1-64 characters of A-Z a-z 0-9 _ . -, not starting with '.' or '-'",
+            code="invalid_agent",
+        )
+    return agent
+
+
+def check_session_id(session: object) -> str:
+    if (
+        not isinstance(session, str)
+        or not 1 <= len(session) <= 128
+        or not session.isprintable()
+    ):
+        raise bad_request(
+            f"invalid session id {session!r}",
+            "1-128 printable characters",
+            code="invalid_session",
+        )
+    return session
+
+
+def session_dirname(session: str) -> str:
+    """base64url of the UTF-8 id, no padding: any printable id becomes a safe name."""
+    return base64.urlsafe_b64encode(session.encode()).decode().rstrip("=")
+
+
+def agent_root(root: str, agent: str) -> str:
+    return os.path.join(root, agent)
+
+
+def session_dir(root: str, agent: str, session: str) -> str:
+    return os.path.join(root, agent, "sessions", session_dirname(session))
+
+
+def create_agent_tree(root: str, agent: str) -> bool:
+    """Lay out the agent's tree; True if it was new.  Existing files are never touched."""
+    top = agent_root(root, agent)
+    created = not os.path.isdir(top)
+    os.makedirs(top, exist_ok=True)
+    for name in DIRECTORIES:
+        os.makedirs(os.path.join(top, name), exist_ok=True)
+    for name in DOCUMENTS:
+        try:
+            # O_EXCL: never overwrite what the agent or an operator wrote.
+            os.close(os.open(os.path.join(top, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            pass
+    return created
