@@ -71,9 +71,17 @@ class PatchError(Exception):
 @dataclass
 class Chunk:
     context: str | None
-    old: list[str] = field(default_factory=list)
-    new: list[str] = field(default_factory=list)
+    # (" ", text) context, ("-", text) removed, ("+", text) added, in patch order
+    lines: list[tuple[str, str]] = field(default_factory=list)
     eof: bool = False
+
+    @property
+    def old(self) -> list[str]:
+        return [text for mark, text in self.lines if mark != "+"]
+
+    @property
+    def new(self) -> list[str]:
+        return [text for mark, text in self.lines if mark != "-"]
 
 
 @dataclass
@@ -198,14 +206,9 @@ def _parse_chunk(lines: list[str], line_number: int, first: bool) -> tuple[Chunk
             chunk.eof = True
             parsed += 1
             break
-        marker, text = line[:1], line[1:]
-        if marker in ("", " "):
-            chunk.old.append(text)
-            chunk.new.append(text)
-        elif marker == "+":
-            chunk.new.append(text)
-        elif marker == "-":
-            chunk.old.append(text)
+        marker, text = line[:1] or " ", line[1:]
+        if marker in " +-":
+            chunk.lines.append((marker, text))
         elif parsed == 0:
             raise _hunk_error(
                 line_number + start,
@@ -243,6 +246,42 @@ def seek_sequence(lines: list[str], pattern: list[str], start: int, eof: bool) -
     return None
 
 
+def _without_final_newline(lines: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Drop the last old line, and the last new line if it is empty: a trailing
+    empty line in a chunk stands for the file's final newline."""
+    lines = list(lines)
+    for side, other in (("-", "+"), ("+", "-")):
+        i = max(i for i, (mark, _) in enumerate(lines) if mark != other)
+        if side == "+" and lines[i][1] != "":
+            break
+        mark, text = lines[i]
+        if mark == " ":  # a context line leaves only the other side
+            lines[i] = (other, text)
+        else:
+            del lines[i]
+        if not any(mark != "-" for mark, _ in lines):
+            break
+    return lines
+
+
+def _edits(start: int, lines: list[tuple[str, str]]) -> list[tuple]:
+    """(file index, lines removed, lines added) for each run of -/+ lines;
+    context lines are left untouched, so the file keeps its own text there."""
+    out, pos, run_start, removed, added = [], start, start, 0, []
+    for mark, text in lines + [(" ", "")]:
+        if mark == " ":
+            if removed or added:
+                out.append((run_start, removed, added))
+            pos += 1
+            run_start, removed, added = pos, 0, []
+        elif mark == "-":
+            removed += 1
+            pos += 1
+        else:
+            added = added + [text]
+    return out
+
+
 def _replacements(lines: list[str], chunks: list[Chunk], shown: str) -> list[tuple]:
     out, index = [], 0
     for chunk in chunks:
@@ -254,19 +293,17 @@ def _replacements(lines: list[str], chunks: list[Chunk], shown: str) -> list[tup
         if not chunk.old:  # pure addition: appended at the end of the file
             out.append((len(lines), 0, chunk.new))
             continue
-        old, new = chunk.old, chunk.new
-        found = seek_sequence(lines, old, index, chunk.eof)
-        if found is None and old[-1] == "":
-            # A trailing empty line stands for the file's final newline.
-            old = old[:-1]
-            new = new[:-1] if new and new[-1] == "" else new
-            found = seek_sequence(lines, old, index, chunk.eof)
+        ops = chunk.lines
+        found = seek_sequence(lines, chunk.old, index, chunk.eof)
+        if found is None and chunk.old[-1] == "":
+            ops = _without_final_newline(ops)
+            found = seek_sequence(lines, [t for m, t in ops if m != "+"], index, chunk.eof)
         if found is None:
             raise PatchError(
                 f"Failed to find expected lines in {shown}:\n" + "\n".join(chunk.old)
             )
-        out.append((found, len(old), new))
-        index = found + len(old)
+        out += _edits(found, ops)
+        index = found + sum(mark != "+" for mark, _ in ops)
     return sorted(out, key=lambda r: r[0])
 
 
