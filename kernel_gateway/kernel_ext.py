@@ -1,0 +1,480 @@
+"""IPython extension that bounds cell output at its source, inside the kernel.
+
+ipykernel can send one 50 MB ``print`` as a single iopub message, so a bound
+applied in the gateway comes too late.  Loaded into every gateway kernel
+(``--IPKernelApp.extensions=['kernel_gateway.kernel_ext']``), this extension
+keeps large payloads from ever crossing ZMQ:
+
+* Streams (stdout/stderr, including fd-level output that ipykernel's pipe
+  watcher feeds into the same ``OutStream.write``): the first half of the limit
+  passes through live; after that only a rolling tail of half the limit stays
+  in memory while the full text goes to ``cell-<n>-<stream>.txt``.  When the
+  cell ends, a marker ``[... N bytes cut: full output in <path> ...]`` and the
+  tail are emitted.
+* Rich results (display_data, execute_result): binary mimetypes are written
+  to artifact files ``cell-<n>-<k>.<ext>`` and replaced by a reference under
+  ``application/vnd.kernel-gateway.artifact+json``; text larger than the limit
+  is cut to head + marker + tail, the full text spilled to
+  ``cell-<n>-out-<k>.<ext>``; JSON values and SVG larger than the limit become
+  artifacts (cutting them would leave something that no longer parses).
+* Every cut is announced with a display_data whose only data is
+  ``application/vnd.kernel-gateway.truncation+json``.
+
+``<n>`` is the execution count the execute_reply reports.  Files are created
+exclusively: when a name is taken (a restarted kernel counts from 1 again,
+``store_history=False`` cells share a count) the next free number is used.
+
+``input()`` needs nothing here: the gateway sends ``allow_stdin=False`` and
+ipykernel then raises ``StdinNotImplementedError`` at once.
+
+Configuration, from the environment the gateway gives the kernel:
+``KERNEL_GATEWAY_OUTPUT_LIMIT`` (bytes kept per stream or result per cell,
+head + tail; default 65536) and ``KERNEL_GATEWAY_OUTPUT_DIR`` (default
+``<cwd>/outputs``).
+
+A failure in here must never break the kernel or reach user code: every hook
+catches its errors, reports them once on the kernel's own stderr, and lets the
+output through as ipykernel would have sent it.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import json
+import os
+import struct
+import sys
+import termios
+import threading
+import time
+import traceback
+from typing import Any, BinaryIO, Callable
+
+DEFAULT_LIMIT = 65536
+ARTIFACT_MIME = "application/vnd.kernel-gateway.artifact+json"
+TRUNCATION_MIME = "application/vnd.kernel-gateway.truncation+json"
+BINARY_MIMES = {"image/png", "image/jpeg", "image/gif", "image/webp", "application/pdf"}
+SVG_MIME = "image/svg+xml"
+EXTENSIONS = {
+    "image/png": "png",
+    "image/jpeg": "jpg",
+    "image/gif": "gif",
+    "image/webp": "webp",
+    "application/pdf": "pdf",
+    SVG_MIME: "svg",
+    "text/plain": "txt",
+    "text/html": "html",
+    "text/markdown": "md",
+    "text/latex": "tex",
+    "application/javascript": "js",
+    "text/javascript": "js",
+}
+# Upper bound on how long a finishing cell waits for fd-level output that is
+# already in ipykernel's pipe; a background process writing forever must not
+# hold every cell up for long.
+FD_DRAIN_TIMEOUT = 1.0
+# Large stream writes are encoded and spilled in slices so that bounding one
+# 100 MB print never needs a second 100 MB copy.
+SLICE_CHARS = 1 << 20
+
+_reported: set[str] = set()
+
+
+def _log(text: str) -> None:
+    """Write to the kernel's real stderr (what the gateway logs), never to a client.
+
+    Not ``sys.stderr``: that is the bounded stream itself, and fd 2 is
+    ipykernel's pipe back into it.
+    """
+    fd = getattr(sys.stderr, "_original_stdstream_copy", None)
+    try:
+        os.write(fd if fd is not None else 2, f"kernel_gateway.kernel_ext: {text}\n".encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _report_failure(where: str) -> None:
+    """Log the current exception, once per place, so a broken hook cannot flood the log."""
+    if where not in _reported:
+        _reported.add(where)
+        _log(f"{where} failed, output passed through unbounded\n{traceback.format_exc()}")
+
+
+def output_limit(environ: dict[str, str]) -> int:
+    """``KERNEL_GATEWAY_OUTPUT_LIMIT`` as an int >= 2; the default if unset or bad."""
+    raw = environ.get("KERNEL_GATEWAY_OUTPUT_LIMIT", "")
+    if raw.strip().isdigit() and int(raw) >= 2:
+        return int(raw)
+    if raw:
+        _log(f"KERNEL_GATEWAY_OUTPUT_LIMIT={raw!r} is not an integer >= 2; using {DEFAULT_LIMIT}")
+    return DEFAULT_LIMIT
+
+
+def char_start(data: bytes | bytearray, index: int) -> int:
+    """The largest index <= ``index`` that does not fall inside a UTF-8 character."""
+    while 0 < index < len(data) and data[index] & 0xC0 == 0x80:
+        index -= 1
+    return index
+
+
+def cut_marker(cut_bytes: int, path: str | None) -> str:
+    where = f"full output in {path}" if path else "full output could not be saved"
+    return f"\n[... {cut_bytes} bytes cut: {where} ...]\n"
+
+
+class OutputFiles:
+    """Names and creates the spill and artifact files of the running cell."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.execution_count = 0
+        self.next_index = 1
+        self._lock = threading.Lock()
+
+    def start_cell(self, execution_count: int) -> None:
+        with self._lock:
+            self.execution_count = execution_count
+            self.next_index = 1
+
+    def create_stream_file(self, stream_name: str) -> tuple[str, BinaryIO]:
+        stem = f"cell-{self.execution_count}-{stream_name}"
+        _, path, file = self._create(lambda i: f"{stem}.txt" if i == 1 else f"{stem}-{i}.txt", 1)
+        return path, file
+
+    def create_numbered(self, prefix: str, ext: str) -> tuple[str, BinaryIO]:
+        """``cell-<n>-<prefix><k>.<ext>`` with the cell's next free ``k``."""
+        stem = f"cell-{self.execution_count}-{prefix}"
+        with self._lock:
+            number, path, file = self._create(lambda k: f"{stem}{k}.{ext}", self.next_index)
+            self.next_index = number + 1
+        return path, file
+
+    def _create(self, name: Callable[[int], str], first: int) -> tuple[int, str, BinaryIO]:
+        os.makedirs(self.directory, exist_ok=True)
+        number = first
+        while True:
+            path = os.path.join(self.directory, name(number))
+            try:
+                return number, path, open(path, "xb")
+            except FileExistsError:
+                number += 1
+
+    def write_new(self, prefix: str, ext: str, data: bytes) -> str:
+        path, file = self.create_numbered(prefix, ext)
+        with file:
+            file.write(data)
+        return path
+
+
+class StreamBound:
+    """Installed as ``write`` of one ipykernel OutStream: head live, tail kept, all spilled."""
+
+    def __init__(self, stream: Any, limit: int, files: OutputFiles, announce: Callable[[dict], None]):
+        self.stream = stream
+        self.name = stream.name
+        self.downstream = stream.write
+        self.head_size = limit // 2
+        self.tail_size = limit - self.head_size
+        self.files = files
+        self.announce = announce
+        # The fd watcher thread writes too.
+        self._lock = threading.RLock()
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self.total_bytes = 0
+        self.head = bytearray()
+        self.head_bytes = 0
+        self.tail = bytearray()
+        self.cutting = False
+        self.spill: BinaryIO | None = None
+        self.spill_path: str | None = None
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            return self.downstream(text)  # ipykernel's own TypeError
+        try:
+            with self._lock:
+                if len(text) <= SLICE_CHARS:
+                    self._accept(text.encode("utf-8", "replace"), text)
+                else:
+                    for start in range(0, len(text), SLICE_CHARS):
+                        self._accept(text[start : start + SLICE_CHARS].encode("utf-8", "replace"), None)
+        except Exception:
+            _report_failure(f"bounding {self.name}")
+            return self.downstream(text)
+        return len(text)
+
+    def _accept(self, data: bytes, text: str | None) -> None:
+        self.total_bytes += len(data)
+        if not self.cutting:
+            room = self.head_size - len(self.head)
+            if len(data) <= room:
+                self.head += data
+                self.downstream(text if text is not None else data.decode("utf-8", "replace"))
+                return
+            split = char_start(data, room)
+            if split:
+                self.head += data[:split]
+                self.downstream(data[:split].decode("utf-8", "replace"))
+            self._start_cutting()
+            data = data[split:]
+        if self.spill is not None:
+            self._spill(data)
+        self.tail += data[-self.tail_size :]
+        del self.tail[: -self.tail_size]
+
+    def _start_cutting(self) -> None:
+        self.cutting = True
+        self.head_bytes = len(self.head)
+        try:
+            self.spill_path, self.spill = self.files.create_stream_file(self.name)
+        except OSError:
+            _report_failure(f"creating the {self.name} spill file")
+        else:
+            self._spill(bytes(self.head))
+        self.head = bytearray()  # it is on disk now; keep only its length
+
+    def _spill(self, data: bytes) -> None:
+        try:
+            self.spill.write(data)
+        except OSError:
+            _report_failure(f"writing {self.spill_path}")
+            self.spill.close()
+            self.spill, self.spill_path = None, None
+
+    def finish(self) -> None:
+        """Close the current window: emit marker and tail, announce the cut, start afresh."""
+        with self._lock:
+            try:
+                if self.cutting:
+                    self._emit_cut()
+            except Exception:
+                _report_failure(f"finishing {self.name}")
+            finally:
+                self._start_window()
+
+    def _emit_cut(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+        tail = self.tail[self._tail_start() :]
+        cut_bytes = self.total_bytes - self.head_bytes - len(tail)
+        if cut_bytes == 0:
+            # Between half and the whole limit: everything fits after all.
+            if self.spill_path:
+                os.unlink(self.spill_path)
+            self.downstream(tail.decode("utf-8", "replace"))
+            return
+        # The head goes out in its own message, so no message exceeds the limit.
+        self.stream.flush()
+        self.downstream(cut_marker(cut_bytes, self.spill_path))
+        self.downstream(tail.decode("utf-8", "replace"))
+        self.announce(
+            {
+                "kind": "stream",
+                "name": self.name,
+                "cut_bytes": cut_bytes,
+                "total_bytes": self.total_bytes,
+                "path": self.spill_path,
+            }
+        )
+
+    def _tail_start(self) -> int:
+        start = 0
+        while start < len(self.tail) and self.tail[start] & 0xC0 == 0x80:
+            start += 1
+        return start
+
+
+def wait_for_fd_pipe(stream: Any) -> None:
+    """Let ipykernel's watcher thread take in fd-level output already in its pipe.
+
+    ``os.system`` and C code write to fd 1/2, which ipykernel redirects into a
+    pipe read by a thread; what is still in the pipe when the cell ends would
+    otherwise land in the next window.
+    """
+    fid = getattr(stream, "_fid", None)
+    if fid is None or not getattr(stream, "_should_watch", False):
+        return
+    deadline = time.monotonic() + FD_DRAIN_TIMEOUT
+    while time.monotonic() < deadline:
+        pending = struct.unpack("i", fcntl.ioctl(fid, termios.FIONREAD, b"\0\0\0\0"))[0]
+        if not pending:
+            return
+        time.sleep(0.005)
+
+
+class ResultBound:
+    """Turns a mime bundle into one that is small: artifacts for binaries, cuts for big text."""
+
+    def __init__(self, limit: int, files: OutputFiles, announce: Callable[[dict], None]):
+        self.limit = limit
+        self.files = files
+        self.announce = announce
+
+    def bound(self, data: dict[str, Any]) -> dict[str, Any]:
+        bounded: dict[str, Any] = {}
+        artifacts = []
+        for mime, value in data.items():
+            if _is_binary(mime):
+                raw = value if isinstance(value, bytes) else base64.b64decode(value)
+                artifacts.append(self._artifact(mime, raw))
+            elif isinstance(value, str):
+                encoded = value.encode("utf-8", "replace")
+                if len(encoded) <= self.limit:
+                    bounded[mime] = value
+                elif mime == SVG_MIME:
+                    artifacts.append(self._artifact(mime, encoded))
+                else:
+                    bounded[mime] = self._cut_text(mime, encoded)
+            else:
+                encoded = json.dumps(value).encode("utf-8", "replace")
+                if len(encoded) <= self.limit:
+                    bounded[mime] = value
+                else:
+                    artifacts.append(self._artifact(mime, encoded))
+        if artifacts:
+            # One artifact is the common case and keeps the documented shape;
+            # further ones (say png + pdf of one figure) ride along in "more".
+            reference = dict(artifacts[0])
+            if len(artifacts) > 1:
+                reference["more"] = artifacts[1:]
+            bounded[ARTIFACT_MIME] = reference
+        return bounded
+
+    def _artifact(self, mime: str, raw: bytes) -> dict[str, Any]:
+        ext = EXTENSIONS.get(mime, "json" if mime.endswith("json") else "bin")
+        path = self.files.write_new("", ext, raw)
+        return {"mime": mime, "path": path, "size": len(raw)}
+
+    def _cut_text(self, mime: str, encoded: bytes) -> str:
+        head = encoded[: char_start(encoded, self.limit // 2)]
+        tail = encoded[char_start(encoded, len(encoded) - (self.limit - self.limit // 2)) :]
+        cut_bytes = len(encoded) - len(head) - len(tail)
+        try:
+            path = self.files.write_new("out-", EXTENSIONS.get(mime, "txt"), encoded)
+        except OSError:
+            _report_failure(f"spilling a large {mime} result")
+            path = None
+        self.announce(
+            {"kind": "result", "name": mime, "cut_bytes": cut_bytes, "total_bytes": len(encoded), "path": path}
+        )
+        return head.decode("utf-8", "replace") + cut_marker(cut_bytes, path) + tail.decode("utf-8", "replace")
+
+
+def _is_binary(mime: str) -> bool:
+    return mime in BINARY_MIMES or (mime.startswith("image/") and mime != SVG_MIME)
+
+
+class OutputBounds:
+    """The extension's state in one kernel: hooks installed, and how to take them out."""
+
+    def __init__(self, shell: Any, limit: int, directory: str):
+        self.shell = shell
+        self.files = OutputFiles(directory)
+        self.display_pub = shell.display_pub
+        self.displayhook = shell.displayhook
+        self.original_publish = self.display_pub.publish
+        self.original_write_format_data = self.displayhook.write_format_data
+        self.results = ResultBound(limit, self.files, self.announce)
+        self.streams = [
+            StreamBound(stream, limit, self.files, self.announce)
+            for stream in (sys.stdout, sys.stderr)
+            if hasattr(stream, "session") and hasattr(stream, "name")  # ipykernel OutStreams only
+        ]
+        self.depth = 0  # run_cell can be nested from user code; only the outer one is the cell
+
+    def install(self) -> None:
+        for bound in self.streams:
+            bound.stream.write = bound.write
+        self.display_pub.publish = self.publish
+        self.displayhook.write_format_data = self.write_format_data
+        self.shell.events.register("pre_execute", self.pre_execute)
+        self.shell.events.register("post_execute", self.post_execute)
+
+    def uninstall(self) -> None:
+        self.shell.events.unregister("pre_execute", self.pre_execute)
+        self.shell.events.unregister("post_execute", self.post_execute)
+        for bound in self.streams:
+            bound.finish()
+            bound.stream.write = bound.downstream
+        self.display_pub.publish = self.original_publish
+        self.displayhook.write_format_data = self.original_write_format_data
+
+    def announce(self, cut: dict[str, Any]) -> None:
+        self.original_publish(data={TRUNCATION_MIME: cut}, metadata={})
+
+    def pre_execute(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        try:
+            for bound in self.streams:
+                bound.finish()  # output that came between cells
+                self._skip_history_tee(bound)
+            # ipykernel reports execution_count - 1 in the reply, whether or
+            # not the cell is stored in history; name the files alike.
+            self.files.start_cell(self.shell.execution_count - 1)
+        except Exception:
+            _report_failure("pre_execute")
+
+    def post_execute(self) -> None:
+        self.depth = max(self.depth - 1, 0)
+        if self.depth:
+            return
+        for bound in self.streams:
+            try:
+                wait_for_fd_pipe(bound.stream)
+            except Exception:
+                _report_failure("waiting for fd output")
+            bound.finish()
+
+    @staticmethod
+    def _skip_history_tee(bound: StreamBound) -> None:
+        """Take IPython's history tee off the stream for this cell.
+
+        IPython 9's ``run_cell`` wraps ``stream.write`` to append every write
+        to ``history_manager.outputs`` for the kernel's lifetime, so a 100 MB
+        print would stay in kernel memory forever.  The tee puts back what it
+        found (our ``write``) when the cell ends.
+        """
+        if getattr(bound.stream.write, "__qualname__", "").startswith("InteractiveShell._tee."):
+            bound.stream.write = bound.write
+
+    def publish(self, data: dict[str, Any], metadata: dict | None = None, *args: Any, **kwargs: Any) -> None:
+        try:
+            data = self.results.bound(data)
+        except Exception:
+            _report_failure("bounding display_data")
+        return self.original_publish(data, metadata, *args, **kwargs)
+
+    def write_format_data(self, format_dict: dict[str, Any], md_dict: dict | None = None) -> None:
+        try:
+            bounded = self.results.bound(format_dict)
+            # In place: IPython logs this same dict into its output history.
+            format_dict.clear()
+            format_dict.update(bounded)
+        except Exception:
+            _report_failure("bounding execute_result")
+        return self.original_write_format_data(format_dict, md_dict)
+
+
+def load_ipython_extension(ip: Any) -> None:
+    if getattr(ip, "_kernel_gateway_output_bounds", None) is not None:
+        return
+    directory = os.path.abspath(os.environ.get("KERNEL_GATEWAY_OUTPUT_DIR") or os.path.join(os.getcwd(), "outputs"))
+    try:
+        bounds = OutputBounds(ip, output_limit(os.environ), directory)
+        bounds.install()
+    except Exception:
+        _report_failure("loading the extension")
+        return
+    ip._kernel_gateway_output_bounds = bounds
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    bounds = getattr(ip, "_kernel_gateway_output_bounds", None)
+    if bounds is not None:
+        bounds.uninstall()
+        ip._kernel_gateway_output_bounds = None
