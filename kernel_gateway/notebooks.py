@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import nbformat
+from nbformat.v4.rwbase import rejoin_lines
 
 from kernel_gateway.errors import GatewayError, bad_request, conflict, not_found
 from kernel_gateway.tools.workspace_paths import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
@@ -76,6 +77,14 @@ def _normalise_etag(value: str) -> str:
     if value.startswith("W/"):
         value = value[2:]
     return '"' + value.strip('"') + '"'
+
+
+def unknown_cell(path: str, cell_id: Any) -> GatewayError:
+    return not_found(
+        f"no cell with id {cell_id!r} in {path}",
+        "list the cell ids with GET on the notebook",
+        code="unknown_cell",
+    )
 
 
 def stable_cell_id(index: int, source: str) -> str:
@@ -384,7 +393,8 @@ class NotebookStore:
                 raise self._invalid_on_disk(path, "a cell without a valid cell_type")
             if _source_text(cell.get("source", "")) is None:
                 raise self._invalid_on_disk(path, "a cell source that is not text")
-        nb = nbformat.from_dict(raw)
+        # Stored multi-line strings are lists of lines; work with plain strings.
+        nb = rejoin_lines(nbformat.from_dict(raw))
         self._give_stable_ids(nb)
         return nb
 
@@ -417,6 +427,9 @@ class NotebookStore:
         nb.nbformat_minor = 5
         for position, cell in enumerate(cells):
             nb.cells.append(self._cell_from_request(position, cell))
+        given = [cell.id for cell in nb.cells if "id" in cell]
+        if len(given) != len(set(given)):
+            raise bad_request("cell ids must be unique", code="invalid_cell_id")
         self._give_stable_ids(nb)
         return nb
 
@@ -437,6 +450,10 @@ class NotebookStore:
             stored.setdefault("execution_count", None)
         if stored.get("id") is None:
             stored.pop("id", None)  # a stable id is given later
+        elif not isinstance(stored["id"], str) or not _CELL_ID.match(stored["id"]):
+            raise bad_request(
+                f"cell {position}: id must be 1-64 letters, digits, '-' or '_'", code="invalid_cell_id"
+            )
         return nbformat.from_dict(stored)
 
     def _validate(self, nb: nbformat.NotebookNode, status: int) -> None:
@@ -481,11 +498,7 @@ class NotebookStore:
         for cell in nb.cells:
             if cell.id == cell_id:
                 return cell
-        raise not_found(
-            f"no cell with id {cell_id!r} in {path}",
-            "list the cell ids with GET on the notebook",
-            code="unknown_cell",
-        )
+        raise unknown_cell(path, cell_id)
 
 
 class _NotebookFile:

@@ -218,6 +218,8 @@ def preview_text(value):
         attributes = object.__getattribute__(value, "__dict__")
     except (AttributeError, TypeError):
         attributes = {}
+    if type(attributes) is not dict:  # a __dict__ property may return anything
+        attributes = {}
     lines = [summary(value)]
     lines += [
         "  .%s: %s" % (clip(str(attr), 60), type_and_summary(item))
