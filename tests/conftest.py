@@ -74,8 +74,10 @@ class SandboxedKernel:
                 cell.ename, cell.evalue = content["ename"], content["evalue"]
             elif kind == "status" and content["execution_state"] == "idle":
                 break
+        # Skip stale replies (wait_for_ready may leave a late kernel_info_reply behind).
         reply = self.kc.get_shell_msg(timeout=timeout)
-        assert reply["parent_header"].get("msg_id") == msg_id, "shell reply to another request"
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=timeout)
         cell.status = reply["content"]["status"]
         return cell
 
