@@ -125,6 +125,34 @@ def test_no_capabilities_and_not_root(kernel):
     assert kernel.value("__import__('os').getuid()") != 0
 
 
+def test_environment_and_transport(kernel, agents):
+    env = kernel.value("dict(__import__('os').environ)")
+    assert "JPY_PARENT_PID" not in env  # ipykernel would read pid 1 as "parent died"
+    assert "JUPYTER_PATH" not in env  # set on the host by conftest: host variables stay out
+    assert env["HOME"] == str(agents["session"])
+    with open(kernel.connection_file) as f:
+        info = json.load(f)
+    assert info["transport"] == "ipc"
+    assert info["ip"] == os.path.join(kernel.runtime_dir, "k")
+    # The socket files are in the runtime dir, bound into the sandbox at the same path.
+    assert kernel.value(f"sorted(__import__('os').listdir({kernel.runtime_dir!r}))") == sorted(
+        os.listdir(kernel.runtime_dir)
+    )
+
+
+def test_without_config_the_workspace_is_the_working_directory(sandboxed_kernel, agents):
+    (agents["alice"] / "SOUL.md").write_text("alice's soul\n")
+    try:
+        with sandboxed_kernel(agents["session"]) as k:
+            code = "import os; open('made-here', 'w').write('x'); print(os.path.exists('../../SOUL.md'))"
+            cell = k.run(code)
+            assert (cell.status, cell.stdout) == ("ok", "False\n")
+            assert (agents["session"] / "made-here").exists()
+    finally:
+        (agents["alice"] / "SOUL.md").unlink()
+        (agents["session"] / "made-here").unlink(missing_ok=True)
+
+
 def test_writes_outside_read_write_paths_fail(kernel):
     prefix, base = python_env_paths(sys.executable)
     name = f"kg-probe-{uuid.uuid4().hex[:8]}"
