@@ -41,6 +41,9 @@ class ServeApp(Application):
         "config": "ServeApp.config_file",
         "log-level": "Application.log_level",
     }
+    flags = {
+        "demo": ({"Gateway": {"demo_agent": "demo"}}, "Create the agent 'demo' at start."),
+    }
 
     def start(self) -> None:
         from .server.app import serve

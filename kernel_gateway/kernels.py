@@ -24,7 +24,11 @@ from .provisioner import kernelspec_dict
 
 KERNEL_NAME = "python3"
 AGENT_SOCKET_INSIDE = "/run/kernel-gateway.sock"
-KERNEL_EXTENSION = "kernel_gateway.kernel_ext"
+# The output-bounding extension is one stdlib-only file, bound read-only into
+# the sandbox: it works whether the package is installed or run from a checkout.
+KERNEL_EXTENSION = "kernel_gateway_ext"
+EXTENSION_DIR_INSIDE = "/run/kernel-gateway/python"
+EXTENSION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_ext.py")
 
 
 def write_kernelspec(state_dir: str) -> str:
@@ -69,7 +73,11 @@ class Kernel:
         config.SandboxedKernelProvisioner.agent = agent
         config.SandboxedKernelProvisioner.agent_socket = agent_socket
         config.SandboxedKernelProvisioner.bwrap = options.bwrap
+        config.SandboxedKernelProvisioner.read_only = [
+            {"from": EXTENSION_FILE, "at": f"{EXTENSION_DIR_INSIDE}/{KERNEL_EXTENSION}.py"}
+        ]
         config.SandboxedKernelProvisioner.env = {
+            "PYTHONPATH": EXTENSION_DIR_INSIDE,
             "KERNEL_GATEWAY_AGENT": agent,
             "KERNEL_GATEWAY_SOCKET": AGENT_SOCKET_INSIDE,
             "KERNEL_GATEWAY_OUTPUT_LIMIT": str(options.output_limit),

@@ -58,8 +58,8 @@ class SandboxedKernelProvisioner(LocalProvisioner):
     runtime_root = Unicode("", config=True, help="Where per-kernel runtime dirs go; default: /tmp.")
     values = Dict(config=True, help="Extra placeholder values for the profile.")
     env = Dict(config=True, help="Extra environment variables inside the sandbox.")
-    read_write = List(Unicode(), config=True, help="Extra paths bound read-write.")
-    read_only = List(Unicode(), config=True, help="Extra paths bound read-only.")
+    read_write = List(config=True, help='Extra paths bound read-write (a path, or {"from", "at"}).')
+    read_only = List(config=True, help='Extra paths bound read-only (a path, or {"from", "at"}).')
 
     runtime_dir: str | None = None
     _prepared: launch.PreparedSandbox | None = None

@@ -124,6 +124,8 @@ class GatewayServer:
         for agent in sorted(sessions.agents):
             self._agent_created(agent)
         sessions.on_agent = self._agent_created
+        if s.demo_agent:
+            sessions.ensure_agent(s.demo_agent)
         self._cull_task = asyncio.ensure_future(self._cull_loop())
 
     async def _cull_loop(self) -> None:
@@ -172,12 +174,12 @@ def serve(settings: Gateway) -> int:
     print(f"kernel-gateway {__version__} listening on {s.socket}", flush=True)
     print(f"  agents:    {s.root}\n  state:     {s.state_dir}\n  bwrap:     {gateway.core.info['bwrap']['version']}")
     print(f"  process limits: {gateway.core.info['sandbox']['process_limits']}")
-    print(
-        "Try:\n  curl -s --unix-socket " + s.socket + " -X POST http://kg/v1/agents/demo/sessions/default/execute"
-        " -d '{\"code\": \"print(6 * 7)\"}'\n(first create the agent: curl -s --unix-socket "
-        + s.socket + " -X PUT http://kg/v1/agents/demo)",
-        flush=True,
-    )
+    agent = s.demo_agent or "demo"
+    jlk = os.path.join(os.path.dirname(sys.executable), "jlk")
+    print("Try, in another terminal:", flush=True)
+    if not s.demo_agent:
+        print(f"  curl -s --unix-socket {s.socket} -X PUT http://kg/v1/agents/{agent}")
+    print(f"  {jlk} --socket {s.socket} --agent {agent} execute --code 'import sys; print(sys.version)'", flush=True)
     loop.run_until_complete(done.wait())
     print("kernel-gateway: stopping: shutting kernels down", flush=True)
     loop.run_until_complete(gateway.stop())

@@ -1,0 +1,122 @@
+"""Test support: a real gateway process and a small HTTP client over its Unix socket."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+
+BIN = os.path.dirname(sys.executable)
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 120):
+        super().__init__("gateway", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+class Client:
+    """Minimal JSON client: ``status, body = client.call("POST", "/v1/...", {...})``."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+
+    def call(self, method: str, path: str, body=None, headers=None, raw: bytes | None = None, timeout=120):
+        conn = UnixHTTPConnection(self.socket_path, timeout=timeout)
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, path, body=data, headers=headers or {})
+        response = conn.getresponse()
+        payload = response.read()
+        conn.close()
+        try:
+            return response.status, json.loads(payload)
+        except ValueError:
+            return response.status, payload
+
+    def stream(self, path: str, body: dict, timeout=120):
+        """Yield NDJSON events of a streaming call as they arrive."""
+        conn = UnixHTTPConnection(self.socket_path, timeout=timeout)
+        conn.request("POST", path, body=json.dumps(body).encode())
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        try:
+            for line in response:
+                yield json.loads(line)
+        finally:
+            conn.close()
+
+    def execute(self, agent: str, session: str, code: str, **extra):
+        path = f"/v1/agents/{agent}/sessions/{urllib.parse.quote(session, safe='')}/execute"
+        return self.call("POST", path, {"code": code, **extra})
+
+
+class GatewayProcess:
+    """``kernel-gateway serve`` in a temp directory, as a user would run it."""
+
+    def __init__(self, tmp_path, *args: str):
+        self.root = str(tmp_path / "agents")
+        self.state = str(tmp_path / "state")
+        self.socket = os.path.join(self.state, "control.sock")
+        self.args = list(args)
+        self.proc: subprocess.Popen | None = None
+        self.log = str(tmp_path / "gateway.log")
+
+    def start(self) -> "GatewayProcess":
+        cmd = [os.path.join(BIN, "kernel-gateway"), "serve", "--root", self.root, "--state-dir", self.state, *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited: {open(self.log).read()}")
+            try:
+                if Client(self.socket).call("GET", "/v1/info", timeout=5)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"gateway did not answer: {open(self.log).read()}")
+
+    @property
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def agent_client(self, agent: str) -> Client:
+        return Client(os.path.join(self.state, "agents", f"{agent}.sock"))
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait()
+        return self.proc.returncode if self.proc else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def wait_until(predicate, timeout: float = 30, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
