@@ -98,7 +98,7 @@ def _report_failure(where: str) -> None:
     """Log the current exception, once per place, so a broken hook cannot flood the log."""
     if where not in _reported:
         _reported.add(where)
-        _log(f"{where} failed, output passed through unbounded\n{traceback.format_exc()}")
+        _log(f"{where} failed\n{traceback.format_exc()}")
 
 
 def output_limit(environ: dict[str, str]) -> int:
@@ -239,10 +239,28 @@ class StreamBound:
     def _spill(self, data: bytes) -> None:
         try:
             self.spill.write(data)
+        except OSError:  # disk full, or the sandbox's file size limit
+            _report_failure(f"writing {self.spill_path}")
+            self._drop_spill()
+
+    def _close_spill(self) -> None:
+        try:
+            self.spill.close()
         except OSError:
             _report_failure(f"writing {self.spill_path}")
+            self._drop_spill()
+
+    def _drop_spill(self) -> None:
+        """Give up on an incomplete spill file: the marker must not promise the full output."""
+        try:
             self.spill.close()
-            self.spill, self.spill_path = None, None
+        except OSError:
+            pass
+        try:
+            os.unlink(self.spill_path)
+        except OSError:
+            pass
+        self.spill, self.spill_path = None, None
 
     def finish(self) -> None:
         """Close the current window: emit marker and tail, announce the cut, start afresh."""
@@ -257,7 +275,7 @@ class StreamBound:
 
     def _emit_cut(self) -> None:
         if self.spill is not None:
-            self.spill.close()
+            self._close_spill()
         tail = self.tail[self._tail_start() :]
         cut_bytes = self.total_bytes - self.head_bytes - len(tail)
         if cut_bytes == 0:

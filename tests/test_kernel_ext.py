@@ -154,17 +154,17 @@ def test_one_100mb_print_is_cut_at_the_source(kernel: Kernel, session_dir: Path)
         assert spilled.read() == b"x\n"
 
 
-def test_many_small_prints_are_cut_and_spilled_in_order(kernel: Kernel, session_dir: Path) -> None:
-    cell = kernel.run("for i in range(2_000_000): print(f'{i:07d}', '.' * 42)")
+def test_100mb_in_many_prints_is_cut_and_spilled_in_order(kernel: Kernel, session_dir: Path) -> None:
+    cell = kernel.run("for i in range(100_000): print(f'{i:07d}', '.' * 991)")
 
     spill = session_dir / "outputs" / f"cell-{cell.count}-stdout.txt"
-    text = assert_stream_cut(cell, spill, 2_000_000 * 51)
-    assert text.startswith("0000000 " + "." * 42 + "\n")
-    assert text.endswith("\n1999999 " + "." * 42 + "\n")
+    text = assert_stream_cut(cell, spill, 100_000_000)
+    assert text.startswith("0000000 " + "." * 991 + "\n")
+    assert text.endswith("\n0099999 " + "." * 991 + "\n")
     with open(spill) as spilled:
         for expected, line in enumerate(spilled):
-            assert line == f"{expected:07d} {'.' * 42}\n"
-    assert expected == 1_999_999
+            assert line == f"{expected:07d} {'.' * 991}\n"
+    assert expected == 99_999
 
 
 def test_fd_level_output_is_bounded_too(kernel: Kernel, session_dir: Path) -> None:
@@ -235,6 +235,24 @@ def test_multibyte_text_is_never_split(kernel: Kernel, session_dir: Path) -> Non
     assert set(tail.split("...]\n", 1)[1]) <= set("é€😀\n")
     spill = Path(cell.announcements()[0]["path"])
     assert spill.read_text(encoding="utf-8") == "é€😀" * 100_000 + "\n"
+
+
+def test_a_spill_file_that_cannot_grow_is_dropped_not_promised(kernel: Kernel, session_dir: Path) -> None:
+    cell = kernel.run(
+        "import resource\n"
+        "_soft, _hard = resource.getrlimit(resource.RLIMIT_FSIZE)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, _hard))\n"
+        "try:\n"
+        "    print('f' * 1_000_000)\n"
+        "finally:\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (_soft, _hard))"
+    )
+
+    assert cell.reply["status"] == "ok"
+    text = cell.stream()
+    assert text == "f" * (LIMIT // 2) + f"\n[... {1_000_001 - LIMIT} bytes cut: full output could not be saved ...]\n" + "f" * (LIMIT // 2 - 1) + "\n"
+    assert cell.announcements()[0]["path"] is None
+    assert not (session_dir / "outputs" / f"cell-{cell.count}-stdout.txt").exists()
 
 
 def test_huge_execute_result_is_cut_and_spilled(kernel: Kernel, session_dir: Path) -> None:
