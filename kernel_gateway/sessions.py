@@ -11,8 +11,10 @@ on disk lists every session; after a gateway restart the earlier ones show as
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -21,6 +23,8 @@ from . import audit, workspace
 from .errors import GatewayError, bad_request, not_found
 from .execution import KernelDied, OutputCallback, run_cell
 from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
+from .provisioner import python_env_paths
+from .sandbox.profile import ProfileError, load_profile
 from .settings import Gateway
 
 LIVE_STATES = ("starting", "idle", "busy")
@@ -128,6 +132,26 @@ class SessionManager:
 
     def agent_socket(self, agent: str) -> str:
         return os.path.join(self.settings.state_dir, "agents", f"{agent}.sock")
+
+    @functools.lru_cache(maxsize=None)
+    def profile(self, agent: str, kind: str) -> dict:
+        """The agent's sandbox profile of one kind, loaded once."""
+        try:
+            return load_profile(self.settings.profile_for(agent, kind))
+        except ProfileError as e:
+            raise GatewayError(500, "bad_profile", f"the {kind} profile of {agent!r} is invalid: {e}") from None
+
+    def sandbox_values(self, agent: str) -> dict[str, str]:
+        """Placeholder values for an agent's command sandboxes (``workspace`` is set per call)."""
+        prefix, base = python_env_paths(sys.executable)
+        return {
+            "agent": agent,
+            "agent_root": self.agent_root(agent),
+            "python_prefix": prefix,
+            "python_base_prefix": base,
+            "python_bin": os.path.join(prefix, "bin"),
+            "agent_socket": self.agent_socket(agent),
+        }
 
     def ensure_agent(self, agent: str) -> bool:
         """Create the agent's tree and socket if needed; True if the agent is new."""
@@ -357,6 +381,18 @@ class SessionManager:
         kernel, session.kernel = session.kernel, None
         if kernel is not None:
             await kernel.shutdown(now=True)
+
+    async def inspect(self, agent: str, session_id: str, probe: Callable[[Any], Any]) -> dict:
+        """Run ``probe(kernel_client)`` between executions of a live session."""
+        session = self.get(agent, session_id)
+        async with session.lock:
+            if session.kernel is None:
+                raise GatewayError(
+                    409, "no_kernel", f"session {session_id!r} has no running kernel ({session.state})",
+                    "execute something in it first",
+                )
+            session.last_activity = time.time()
+            return await probe(session.kernel.kc)
 
     async def interrupt(self, agent: str, session_id: str) -> dict:
         session = self.get(agent, session_id)

@@ -41,6 +41,10 @@ class Gateway(Configurable):
     spare_kernels = Bool(True, config=True, help="Keep one ready kernel per agent after its first session.")
     cull_idle_timeout = Float(3600.0, config=True, help="Shut down sessions idle this long (0: never).")
     cull_interval = Float(60.0, config=True, help="How often to look for idle sessions, in seconds.")
+    max_patch_size = Int(4 << 20, config=True, help="Largest patch accepted by apply_patch, in bytes.")
+    apply_patch_command = Unicode(
+        "", config=True, help="An external apply_patch executable to use instead (run in the command sandbox)."
+    )
     demo_agent = Unicode("", config=True, help="Create this agent at start (the quick start uses 'demo').")
     audit_code = Bool(False, config=True, help="Also write the code of each call to the audit log.")
 

@@ -24,10 +24,10 @@ from ..sandbox import cgroups
 from ..sandbox.launch import SandboxUnavailable, find_bwrap
 from ..sessions import SessionManager
 from ..settings import Gateway
-from . import session_routes
+from . import notebook_routes, session_routes, tool_routes
 from .base import NotFoundHandler
 
-ROUTE_MODULES = [session_routes]
+ROUTE_MODULES = [session_routes, tool_routes, notebook_routes]
 
 
 @dataclass

@@ -1,0 +1,191 @@
+"""Routes for notebooks (read, edit, run cells, run-all) and live variables."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .. import notebook_runs, variables
+from ..errors import bad_request
+from ..notebooks import NotebookStore
+from .base import BaseHandler
+from .session_routes import StreamingHandler
+
+
+class NotebookBase(BaseHandler):
+    tool = "notebook"
+
+    def store(self, agent: str) -> NotebookStore:
+        agent = self.agent_arg(agent)
+        self.core.sessions.require_agent(agent)
+        return NotebookStore(self.core.sessions.agent_root(agent))
+
+    def if_match(self) -> str | None:
+        return self.request.headers.get("If-Match")
+
+    def reply(self, result: dict, status: int = 200) -> None:
+        if "etag" in result:
+            self.set_header("ETag", result["etag"])
+        self.send_json(result, status)
+
+
+class NotebookHandler(NotebookBase):
+    def get(self, agent: str, path: str) -> None:
+        self.reply(self.store(agent).contents(path, include_outputs=self.query_bool("outputs")))
+
+    def put(self, agent: str, path: str) -> None:
+        store = self.store(agent)
+        try:
+            notebook = json.loads(self.request.body or b"")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+        if not isinstance(notebook, dict):
+            raise bad_request("the body must be a notebook (a JSON object)", code="malformed_json")
+        result = store.put(path, notebook, if_match=self.if_match())
+        self.reply(result, 201 if result["created"] else 200)
+
+
+class CellsHandler(NotebookBase):
+    def post(self, agent: str, path: str) -> None:
+        store = self.store(agent)
+        body = self.json_body({"index": int, "cell_type": str, "source": str}, required=("index", "source"))
+        result = store.insert_cell(
+            path, body["index"], body.get("cell_type", "code"), body["source"], if_match=self.if_match()
+        )
+        self.reply(result, 201)
+
+
+class CellHandler(NotebookBase):
+    def patch(self, agent: str, path: str, cell_id: str) -> None:
+        store = self.store(agent)
+        body = self.json_body({"source": str}, required=("source",))
+        self.reply(store.replace_source(path, cell_id, body["source"], if_match=self.if_match()))
+
+    def delete(self, agent: str, path: str, cell_id: str) -> None:
+        self.reply(self.store(agent).delete_cell(path, cell_id, if_match=self.if_match()))
+
+
+class MoveHandler(NotebookBase):
+    def post(self, agent: str, path: str, cell_id: str) -> None:
+        store = self.store(agent)
+        body = self.json_body({"to_index": int}, required=("to_index",))
+        self.reply(store.move_cell(path, cell_id, body["to_index"], if_match=self.if_match()))
+
+
+class ClearOutputsHandler(NotebookBase):
+    def post(self, agent: str, path: str) -> None:
+        store = self.store(agent)
+        body = self.json_body({"cell_ids": list})
+        self.reply(store.clear_outputs(path, body.get("cell_ids"), if_match=self.if_match()))
+
+
+def notebook_session(path: str) -> str:
+    """The notebook's own session, one per notebook path."""
+    return f"notebook:{path}"[:128]
+
+
+class RunBase(StreamingHandler, NotebookBase):
+    tool = "notebook_run"
+
+    def executor(self, agent: str, session: str) -> Any:
+        async def execute(code: str, timeout: float | None) -> dict:
+            return await self.core.sessions.execute(agent, session, code, timeout=timeout)
+
+        return execute
+
+
+class ExecuteCellHandler(RunBase):
+    async def post(self, agent: str, path: str, cell_id: str) -> None:
+        store = self.store(agent)
+        body = self.json_body({"session": str, "code": str, "timeout": (int, float, type(None)), "save_outputs": bool})
+        timeout = self.check_timeout(body)
+        session = self.session_arg(body.get("session") or notebook_session(path))
+        result = await notebook_runs.run_cell(
+            store,
+            path,
+            cell_id,
+            self.executor(self._agent, session),
+            code=body.get("code"),
+            save_outputs=body.get("save_outputs", True),
+            timeout=timeout,
+        )
+        self.reply(result)
+
+
+class RunAllHandler(RunBase):
+    async def post(self, agent: str, path: str) -> None:
+        store = self.store(agent)
+        body = self.json_body(
+            {"session": str, "restart": bool, "save_outputs": bool, "timeout": (int, float, type(None))}
+        )
+        timeout = self.check_timeout(body)
+        agent = self._agent
+        session = self.session_arg(body.get("session") or notebook_session(path))
+        store.contents(path)  # a missing or broken notebook fails before any kernel starts
+
+        async def restart() -> None:
+            await self.core.sessions.get_or_create(agent, session)
+            await self.core.sessions.restart(agent, session)
+
+        result = await notebook_runs.run_all(
+            store,
+            path,
+            self.executor(agent, session),
+            restart if body.get("restart") else None,
+            save_outputs=body.get("save_outputs", False),
+            timeout=timeout,
+        )
+        self.reply(result)
+
+
+class NotANotebookHandler(BaseHandler):
+    def prepare(self) -> None:
+        super().prepare()
+        raise bad_request(
+            f"{self.request.path.split('/notebooks/', 1)[1]!r} is not a notebook path",
+            "notebook paths end in .ipynb, e.g. user-files/analysis.ipynb",
+            code="not_a_notebook",
+        )
+
+
+class VariablesHandler(BaseHandler):
+    tool = "variables"
+
+    async def get(self, agent: str, session: str) -> None:
+        agent, session = self.agent_arg(agent), self.session_arg(session)
+        limit = self.query_int("limit", 100, minimum=1)
+        private = self.query_bool("include_private")
+        result = await self.core.sessions.inspect(
+            agent, session, lambda kc: variables.list_variables(kc, limit=limit, include_private=private)
+        )
+        self.send_json(result)
+
+
+class VariableHandler(BaseHandler):
+    tool = "variables"
+
+    async def get(self, agent: str, session: str, name: str) -> None:
+        agent, session = self.agent_arg(agent), self.session_arg(session)
+        max_chars = self.query_int("max_chars", 4000, minimum=1)
+        result = await self.core.sessions.inspect(
+            agent, session, lambda kc: variables.preview_variable(kc, name, max_chars=max_chars)
+        )
+        self.send_json(result)
+
+
+def routes() -> list[tuple[str, type]]:
+    agent = r"/v1/agents/([^/]+)"
+    notebook = agent + r"/notebooks/(.+?\.ipynb)"
+    session = agent + r"/sessions/([^/]+)"
+    return [
+        (notebook, NotebookHandler),
+        (notebook + r"/cells", CellsHandler),
+        (notebook + r"/cells/([^/]+)", CellHandler),
+        (notebook + r"/cells/([^/]+)/move", MoveHandler),
+        (notebook + r"/cells/([^/]+)/execute", ExecuteCellHandler),
+        (notebook + r"/clear-outputs", ClearOutputsHandler),
+        (notebook + r"/run-all", RunAllHandler),
+        (agent + r"/notebooks/(.*)", NotANotebookHandler),
+        (session + r"/variables", VariablesHandler),
+        (session + r"/variables/([^/]+)", VariableHandler),
+    ]

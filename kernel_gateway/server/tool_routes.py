@@ -1,0 +1,135 @@
+"""Routes for the agent's computer tools: command, read_file and apply_patch."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..errors import GatewayError, bad_request
+from ..tools import apply_patch, read_file, workspace_paths
+from ..tools.command import run_command
+from .session_routes import StreamingHandler
+from .base import BaseHandler, check_fields
+
+
+class CommandHandler(StreamingHandler):
+    tool = "command"
+
+    async def post(self, agent: str) -> None:
+        agent = self.agent_arg(agent)
+        self.core.sessions.require_agent(agent)
+        body = self.json_body({k: object for k in ("command", "argv", "cwd", "timeout", "env", "stdin", "stream")})
+        stream = body.get("stream") is True or "application/x-ndjson" in self.request.headers.get("Accept", "")
+        sessions = self.core.sessions
+
+        async def work(on_output: Any) -> dict:
+            async def on_event(event: dict) -> None:
+                await on_output(event)
+
+            return await run_command(
+                body,
+                agent_root=sessions.agent_root(agent),
+                profile=sessions.profile(agent, "command"),
+                values=sessions.sandbox_values(agent),
+                spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
+                on_event=on_event if on_output else None,
+                output_limit=self.core.settings.output_limit,
+                bwrap=self.core.settings.bwrap or None,
+            )
+
+        await self.run(work, stream)
+
+
+class FileHandler(BaseHandler):
+    tool = "read_file"
+
+    def get(self, agent: str) -> None:
+        agent = self.agent_arg(agent)
+        self.core.sessions.require_agent(agent)
+        path = self.get_query_argument("path", None)
+        if path is None:
+            raise bad_request("missing query parameter path", "GET .../files?path=user-files/data.csv")
+        result = read_file.read_file(
+            self.core.sessions.agent_root(agent),
+            path,
+            offset=self.query_int("offset", 1, minimum=1),
+            limit=self.query_int("limit", 2000, minimum=1),
+            raw=self.query_bool("raw"),
+        )
+        self.send_json(result)
+
+
+class PatchHandler(BaseHandler):
+    tool = "apply_patch"
+
+    def _patch_and_cwd(self, root: str) -> tuple[str, str]:
+        raw = self.request.body or b""
+        limit = self.core.settings.max_patch_size
+        if len(raw) > limit:
+            raise GatewayError(413, "patch_too_large", f"the patch is {len(raw)} bytes; the limit is {limit}")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise bad_request(f"the patch is not UTF-8 text: {e}", code="not_utf8") from None
+        cwd = "."
+        if self.request.headers.get("Content-Type", "").startswith("application/json"):
+            try:
+                body = json.loads(text)
+            except ValueError as e:
+                raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+            if not isinstance(body, dict):
+                raise bad_request("the body must be a JSON object", code="malformed_json")
+            check_fields(body, {"patch": str, "cwd": str}, required=("patch",))
+            text, cwd = body["patch"], body.get("cwd", ".")
+        if not text.strip():
+            raise bad_request("the patch is empty", "send *** Begin Patch ... *** End Patch", code="empty_patch")
+        try:
+            resolved = workspace_paths.resolve_in_root(root, cwd)
+        except workspace_paths.PathOutsideRoot as e:
+            raise GatewayError(403, "outside_workspace", str(e)) from None
+        if not resolved.is_dir():
+            raise bad_request(f"cwd {cwd!r} is not a directory in the agent's tree", code="invalid_cwd")
+        return text, str(resolved)
+
+    async def post(self, agent: str) -> None:
+        agent = self.agent_arg(agent)
+        sessions = self.core.sessions
+        sessions.require_agent(agent)
+        root = sessions.agent_root(agent)
+        patch, cwd = self._patch_and_cwd(root)
+        external = self.core.settings.apply_patch_command
+        if external:
+            result = await self._external(agent, external, patch, cwd)
+        else:
+            result = apply_patch.apply_patch(patch, cwd, root=root).__dict__
+        self.send_json(result, 200 if result["ok"] else 422)
+
+    async def _external(self, agent: str, command: str, patch: str, cwd: str) -> dict:
+        """The operator's own apply_patch binary, in the command sandbox over the workspace."""
+        sessions = self.core.sessions
+        ran = await run_command(
+            {"argv": [command, patch], "cwd": cwd},
+            agent_root=sessions.agent_root(agent),
+            profile=sessions.profile(agent, "command"),
+            values=sessions.sandbox_values(agent),
+            spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
+            output_limit=self.core.settings.output_limit,
+            bwrap=self.core.settings.bwrap or None,
+        )
+        return {
+            "ok": ran["exit_code"] == 0,
+            "output": ran["stdout"] + ran["stderr"],
+            "added": [],
+            "modified": [],
+            "deleted": [],
+        }
+
+
+def routes() -> list[tuple[str, type]]:
+    agent = r"/v1/agents/([^/]+)"
+    return [
+        (agent + r"/commands", CommandHandler),
+        (agent + r"/files", FileHandler),
+        (agent + r"/patch", PatchHandler),
+    ]
