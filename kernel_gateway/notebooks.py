@@ -172,17 +172,18 @@ class NotebookStore:
         the dict ``contents`` returns can be sent back as it is.
         """
         nb = self._notebook_from_request(notebook)
-        with self._open(path, create_parents=True) as file, file.lock:
+        self._validate(nb, status=400)
+        # With If-Match the notebook must exist, so there are no directories to create.
+        with self._open(path, create_parents=if_match is None) as file, file.lock:
             old = self._read(path, file)
             if if_match is not None:
                 if old is None:
-                    raise conflict(
-                        f"{path} does not exist, but If-Match requires an existing notebook",
+                    raise not_found(
+                        f"no notebook at {path}, but If-Match requires an existing one",
                         "send no If-Match to create it",
-                        code="etag_mismatch",
+                        code="notebook_not_found",
                     )
                 self._check_if_match(path, old, if_match)
-            self._validate(nb, status=400)
             etag = self._replace(path, file, old, self._serialise(nb))
         return {"etag": etag, "created": old is None}
 

@@ -251,8 +251,11 @@ def test_stale_etag_is_refused_after_a_change_on_disk(store, notebook):
 
 
 def test_if_match_on_a_missing_notebook_creates_nothing(store, root):
-    refused(409, "etag_mismatch", root / "new.ipynb", store.put, "new.ipynb", {"cells": []}, if_match="*")
-    refused(409, "etag_mismatch", root / "new.ipynb", store.put, "new.ipynb", {"cells": []}, if_match='"abc"')
+    refused(404, "notebook_not_found", root / "new.ipynb", store.put, "new.ipynb", {"cells": []}, if_match="*")
+    refused(404, "notebook_not_found", root / "new.ipynb", store.put, "new.ipynb", {"cells": []}, if_match='"abc"')
+    refused(404, "notebook_not_found", root / "dir" / "new.ipynb", store.put, "dir/new.ipynb", {"cells": []}, if_match="*")
+    refused(400, "invalid_source", root / "dir" / "new.ipynb", store.put, "dir/new.ipynb", {"cells": [code(None)]})
+    assert os.listdir(root) == []
 
 
 def test_change_on_disk_during_an_edit_is_refused_not_merged(store, notebook):
