@@ -31,7 +31,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Dict, List, Unicode
 
 from .sandbox import launch
-from .sandbox.profile import load_profile
+from .sandbox.profile import load_profile, validate_profile
 
 # Host variables that may cross into a sandbox; everything else stays outside.
 PASSED_ENV_PREFIXES = ("KERNEL_GATEWAY_", "JLK_")
@@ -87,7 +87,8 @@ class SandboxedKernelProvisioner(LocalProvisioner):
         # Copy before extending: load_profile may hand out a shared document.
         sandbox["read_only"] = list(sandbox.get("read_only", [])) + list(self.read_only)
         sandbox["read_write"] = list(sandbox.get("read_write", [])) + list(self.read_write)
-        return profile
+        # The configured paths get the same checks as the profile's own.
+        return validate_profile(profile, extra_placeholders=list(self.values))
 
     def _sandbox_env(self, host_env: dict[str, str]) -> dict[str, str]:
         env = {
