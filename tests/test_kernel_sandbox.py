@@ -331,3 +331,10 @@ def test_bad_profile_is_a_clear_error_naming_the_field(make_kernelspec, tmp_path
     assert isinstance(error, ProfileError)
     assert error.field == "limits.memory"
     assert "'12Q'" in str(error)
+
+
+def test_a_bad_extra_path_in_the_config_is_a_clear_error(make_kernelspec, tmp_path):
+    error = start_should_fail(make_kernelspec, tmp_path, {"read_write": ["/srv/data", {"from": "/srv/x"}]})
+    assert isinstance(error, ProfileError)
+    index = len(load_profile("kernel")["sandbox"]["read_write"]) + 1
+    assert str(error) == f"sandbox.read_write[{index}]: missing 'at'"
