@@ -1,0 +1,488 @@
+"""jlk, the skill's client, run as a real process against a real gateway with real kernels.
+
+One gateway (``kernel-gateway serve`` in a temp directory) serves the whole
+module; every test runs ``skills/jupyter-live-kernel/scripts/jlk`` as a
+subprocess, the way an agent would, and checks its output, its exit code and
+what it changed (the notebook file on disk, the kernel's state).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+JLK = str(REPO / "skills" / "jupyter-live-kernel" / "scripts" / "jlk")
+KERNEL_GATEWAY = os.path.join(os.path.dirname(sys.executable), "kernel-gateway")
+AGENT = "alice"
+NOTEBOOK = "user-files/analysis.ipynb"
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=30)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def http_call(socket_path: str, method: str, path: str) -> tuple[int, dict]:
+    """One request straight to the gateway, for set-up that jlk has no command for."""
+    conn = UnixHTTPConnection(socket_path)
+    try:
+        conn.request(method, path)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        conn.close()
+
+
+class Gateway:
+    """A running ``kernel-gateway serve`` and the paths a test needs."""
+
+    def __init__(self, tmp: Path):
+        self.root = tmp / "agents"
+        self.state = tmp / "state"
+        self.socket = str(self.state / "control.sock")
+        self.log = tmp / "gateway.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd = [KERNEL_GATEWAY, "serve", "--root", str(self.root), "--state-dir", str(self.state),
+               "--socket", self.socket]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"gateway exited: {self.log.read_text()}"
+            try:
+                if http_call(self.socket, "GET", "/v1/info")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"gateway did not answer: {self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def agent_socket(self, agent: str) -> str:
+        return str(self.state / "agents" / f"{agent}.sock")
+
+    def agent_root(self, agent: str) -> Path:
+        return self.root / agent
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory):
+    gw = Gateway(tmp_path_factory.mktemp("jlk"))
+    gw.start()
+    try:
+        status, _ = http_call(gw.socket, "PUT", f"/v1/agents/{AGENT}")
+        assert status in (200, 201)
+        yield gw
+    finally:
+        gw.stop()
+
+
+def clean_env(**extra: str) -> dict:
+    """The test process's environment without any gateway variable, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KERNEL_GATEWAY_") and k != "JLK_SESSION"}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def jlk(gateway: Gateway):
+    """``jlk(*args, input=None, **env)``: run jlk on the control socket as agent alice."""
+
+    def run(*args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
+        environment = clean_env(**{"KERNEL_GATEWAY_CONTROL_SOCKET": gateway.socket, "KERNEL_GATEWAY_AGENT": AGENT,
+                                   **env})
+        return subprocess.run(
+            [sys.executable, JLK, *args],
+            input=input if input is not None else "",
+            capture_output=True, text=True, env=environment, timeout=180,
+        )
+
+    return run
+
+
+def session_json(jlk, session: str) -> dict | None:
+    listing = json.loads(jlk("sessions", "--json").stdout)["sessions"]
+    return next((s for s in listing if s["id"] == session), None)
+
+
+# --- execute ------------------------------------------------------------------------
+
+
+def test_execute_prints_only_output_and_result_and_keeps_state(jlk):
+    first = jlk("--session", "state", "execute", "--code", 'x = 41\nprint("hello")\nx + 1')
+    assert (first.returncode, first.stdout, first.stderr) == (0, "hello\n42\n", "")
+
+    second = jlk("execute", "--session", "state", "--code", "x")
+    assert (second.returncode, second.stdout) == (0, "41\n")
+
+
+def test_code_comes_from_stdin_or_a_file(jlk, tmp_path):
+    piped = jlk("--session", "input", "execute", input="y = 6 * 7\nprint(y)\n")
+    assert (piped.returncode, piped.stdout) == (0, "42\n")
+
+    code_file = tmp_path / "cell.py"
+    code_file.write_text("print(y + 1)\n")
+    from_file = jlk("--session", "input", "execute", "--code-file", str(code_file))
+    assert (from_file.returncode, from_file.stdout) == (0, "43\n")
+
+    dash = jlk("--session", "input", "execute", "--code-file", "-", input="print(y - 1)")
+    assert (dash.returncode, dash.stdout) == (0, "41\n")
+
+
+def test_session_comes_from_jlk_session_and_ids_are_percent_encoded(jlk):
+    odd = "scratch/one two?#"
+    assert jlk("execute", "--code", "z = 'kept'", JLK_SESSION=odd).returncode == 0
+    again = jlk("--session", odd, "execute", "--code", "print(z)")
+    assert (again.returncode, again.stdout) == (0, "kept\n")
+    assert session_json(jlk, odd)["state"] == "idle"
+
+
+def test_a_cell_that_raises_exits_1_with_a_short_error(jlk):
+    result = jlk("--session", "errors", "execute", "--code", "print('before')\n1/0")
+    assert result.returncode == 1
+    assert result.stdout.startswith("before\nZeroDivisionError: division by zero\n")
+    assert "\x1b[" not in result.stdout  # no ANSI colour codes
+    assert result.stderr == ""
+
+
+def test_json_and_compact_print_the_structured_result(jlk):
+    pretty = jlk("--session", "json", "execute", "--code", "print(1)\n2", "--json")
+    data = json.loads(pretty.stdout)
+    assert (pretty.returncode, data["status"], data["text"]) == (0, "ok", "1\n2\n")
+    assert [o["output_type"] for o in data["outputs"]] == ["stream", "execute_result"]
+
+    compact = jlk("--session", "json", "execute", "--code", "1/0", "--compact")
+    assert compact.returncode == 1
+    assert compact.stdout.count("\n") == 1
+    assert json.loads(compact.stdout)["error"]["ename"] == "ZeroDivisionError"
+
+
+def test_images_land_as_artifact_files(jlk):
+    code = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
+    result = jlk("--session", "plots", "execute", "--code", code)
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(l for l in result.stdout.splitlines() if l.startswith("[image/png saved to "))
+    path = line[len("[image/png saved to "):-1]
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeout_exits_124_and_keeps_the_kernel(jlk):
+    assert jlk("--session", "slow", "execute", "--code", "kept = 7").returncode == 0
+    result = jlk("--session", "slow", "execute", "--code", "import time\ntime.sleep(60)", "--timeout", "1")
+    assert result.returncode == 124
+    assert "[timeout: the cell was interrupted" in result.stdout
+    after = jlk("--session", "slow", "execute", "--code", "kept")
+    assert (after.returncode, after.stdout) == (0, "7\n")
+
+
+def test_a_dead_kernel_exits_4_and_the_next_call_gets_a_fresh_one(jlk):
+    assert jlk("--session", "dies", "execute", "--code", "lost = 1").returncode == 0
+    died = jlk("--session", "dies", "execute", "--code", "import os\nos._exit(1)")
+    assert died.returncode == 4
+    assert "died" in died.stdout
+
+    fresh = jlk("--session", "dies", "execute", "--code", "lost")
+    assert fresh.returncode == 1
+    assert "NameError" in fresh.stdout
+    assert "fresh kernel" in fresh.stdout
+
+
+def test_restart_loses_variables_and_keeps_the_session(jlk):
+    assert jlk("--session", "restart", "execute", "--code", "gone = 1").returncode == 0
+    restarted = jlk("--session", "restart", "restart")
+    assert (restarted.returncode, restarted.stdout) == (0, "restarted the kernel of session restart\n")
+    after = jlk("--session", "restart", "execute", "--code", "gone")
+    assert after.returncode == 1 and after.stdout.startswith("NameError")
+
+
+def test_interrupt_answers(jlk):
+    assert jlk("--session", "intr", "execute", "--code", "1").returncode == 0
+    result = jlk("--session", "intr", "interrupt")
+    assert (result.returncode, result.stdout) == (0, "interrupted the kernel of session intr\n")
+
+
+def test_sessions_lists_and_stops(jlk):
+    assert jlk("--session", "listed", "execute", "--code", "1").returncode == 0
+    listing = jlk("sessions")
+    assert listing.returncode == 0
+    assert listing.stdout.splitlines()[0].split() == ["id", "state", "execution_count", "idle", "cwd"]
+    assert any(line.split()[0] == "listed" for line in listing.stdout.splitlines()[1:])
+
+    stopped = jlk("--session", "listed", "sessions", "stop")
+    assert (stopped.returncode, stopped.stdout) == (0, "stopped session listed\n")
+    assert session_json(jlk, "listed") is None
+
+
+# --- the agent socket ---------------------------------------------------------------
+
+
+def test_on_the_agent_socket_me_is_the_agent_and_others_are_out_of_reach(gateway, jlk):
+    inside = clean_env(KERNEL_GATEWAY_SOCKET=gateway.agent_socket(AGENT), JLK_SESSION="inside")
+    ran = subprocess.run([sys.executable, JLK, "execute", "--code", "import os\nprint(os.getcwd())"],
+                         capture_output=True, text=True, env=inside, stdin=subprocess.DEVNULL)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip().startswith(str(gateway.agent_root(AGENT) / "sessions"))
+
+    other = subprocess.run([sys.executable, JLK, "--agent", "bob", "sessions"],
+                           capture_output=True, text=True, env=inside, stdin=subprocess.DEVNULL)
+    assert other.returncode == 2
+    assert "out of reach" in other.stderr
+
+
+# --- errors from the gateway and from the socket ----------------------------------------
+
+
+def test_a_request_the_gateway_refuses_exits_2_with_its_message_and_hint(jlk):
+    result = jlk("--agent", "nobody", "execute", "--code", "1")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["jlk: no agent 'nobody'", "hint: create it first: PUT /v1/agents/nobody"]
+    assert result.stdout == ""
+
+
+def test_no_agent_on_the_control_socket_says_how_to_name_one(gateway):
+    result = subprocess.run([sys.executable, JLK, "--socket", gateway.socket, "execute", "--code", "1"],
+                            capture_output=True, text=True, env=clean_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 2
+    assert "hint: no agent was named: pass --agent NAME or set $KERNEL_GATEWAY_AGENT" in result.stderr
+
+
+def test_a_missing_socket_exits_3_and_says_how_to_start_the_gateway(jlk, tmp_path):
+    missing = str(tmp_path / "no-such.sock")
+    result = jlk("--socket", missing, "execute", "--code", "1")
+    assert result.returncode == 3
+    assert f"cannot reach the kernel gateway at {missing} (--socket)" in result.stderr
+    assert "kernel-gateway serve" in result.stderr
+
+
+def test_a_dead_socket_file_exits_3(jlk, tmp_path):
+    dead = str(tmp_path / "dead.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(dead)
+    listener.close()  # the file stays, nobody listens: connection refused
+    result = jlk("execute", "--code", "1", KERNEL_GATEWAY_CONTROL_SOCKET=dead)
+    assert result.returncode == 3
+    assert "($KERNEL_GATEWAY_CONTROL_SOCKET)" in result.stderr
+    assert "kernel-gateway serve" in result.stderr
+
+
+# --- usage errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "usage: jlk [options] COMMAND"),
+        (("frobnicate",), "jlk: unknown command 'frobnicate'; commands: execute, contents"),
+        (("execute", "--code", "1", "--bogus"), "jlk: `jlk execute` has no option --bogus"),
+        (("execute", "--code"), "jlk: --code needs a value (CODE)"),
+        (("execute", "--code", "1", "--timeout", "soon"), "jlk: --timeout needs a number, got 'soon'"),
+        (("execute", "--code", "1", "--timeout", "0"), "--timeout must be a positive number of seconds"),
+        (("execute", "--code", "1", "--code-file", "x.py"), "give --code or --code-file, not both"),
+        (("execute", "--code-file", "/nonexistent/cell.py"), "cannot read --code-file /nonexistent/cell.py"),
+        (("execute",), "no code: stdin was empty; pass --code or --code-file"),
+        (("execute", "--code", "1", "--code", "2"), "jlk: --code given twice"),
+        (("execute", "--cell-id", "abc"), "--cell-id and --index name a notebook cell: add --path NOTEBOOK"),
+        (("execute", "--path", NOTEBOOK, "--code", "1"), "--path runs a notebook cell: add --cell-id ID"),
+        (("execute", "--code", "1", "--no-save-outputs"), "--no-save-outputs applies to a notebook cell"),
+        (("execute", "--json=yes", "--code", "1"), "jlk: --json takes no value"),
+        (("execute", "stray", "--code", "1"), "jlk: unexpected argument 'stray'"),
+        (("contents",), "`jlk contents` needs --path"),
+        (("edit", "--path", NOTEBOOK), "`jlk edit` needs an action: replace-source, insert"),
+        (("edit", "--path", NOTEBOOK, "shuffle"), "unknown action 'shuffle' for `jlk edit`"),
+        (("edit", "--path", NOTEBOOK, "delete"), "name the cell with --cell-id ID (see `jlk contents`) or --index N"),
+        (("edit", "--path", NOTEBOOK, "insert", "--cell-type", "python", "--source", "1"),
+         "--cell-type must be code, markdown or raw, not 'python'"),
+        (("edit", "--path", NOTEBOOK, "move", "--cell-id", "abc"), "`jlk edit move` needs --to-index N"),
+        (("edit", "--path", NOTEBOOK, "replace-source", "--cell-id", "a", "--index", "0", "--source", "x"),
+         "give --cell-id or --index, not both"),
+        (("variables",), "`jlk variables` needs an action: list or preview"),
+        (("variables", "preview"), "`jlk variables preview` needs --name"),
+        (("variables", "list", "--limit", "0"), "--limit must be at least 1"),
+        (("run-all",), "`jlk run-all` needs --path"),
+        (("sessions", "purge"), "unknown action 'purge' for `jlk sessions`"),
+        (("execute", "-x"), "jlk: unknown option -x"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_clear_message_and_change_nothing(jlk, args, message):
+    before = session_json(jlk, "usage")
+    result = jlk("--session", "usage", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stdout == ""
+    assert session_json(jlk, "usage") == before  # no session was created or run
+
+
+def test_help_on_every_level(jlk):
+    top = jlk("--help")
+    assert top.returncode == 0 and top.stdout.startswith("usage: jlk [options] COMMAND")
+    assert "exit codes: 0 ok, 1 the cell raised" in top.stdout
+    for command, actions in [
+        ("execute", []), ("contents", []), ("restart", []), ("interrupt", []), ("run-all", []),
+        ("restart-run-all", []), ("sessions", ["list", "stop"]),
+        ("edit", ["replace-source", "insert", "delete", "move", "clear-outputs"]),
+        ("variables", ["list", "preview"]),
+    ]:
+        page = jlk(command, "--help")
+        assert page.returncode == 0 and page.stdout.startswith(f"usage: jlk {command}"), command
+        assert "--socket PATH" in page.stdout
+        for action in actions:
+            assert action in page.stdout
+            sub = jlk(command, action, "-h")
+            assert sub.returncode == 0, (command, action)
+            assert sub.stdout.startswith(f"usage: jlk {command}") and action in sub.stdout.splitlines()[0]
+    assert "--no-save-outputs" in jlk("execute", "--help").stdout
+    assert "--to-index N" in jlk("edit", "move", "--help").stdout
+
+
+# --- notebooks -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def notebook(gateway: Gateway) -> Path:
+    """A small notebook in alice's user-files, written fresh for each test."""
+    path = gateway.agent_root(AGENT) / NOTEBOOK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# Analysis", id="intro"),
+        nbformat.v4.new_code_cell("import pandas as pd\ndf = pd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})",
+                                  id="load"),
+        nbformat.v4.new_code_cell("df['a'].sum()", id="total"),
+    ]
+    nbformat.write(nb, path)
+    return path
+
+
+def cell_sources(path: Path) -> list[tuple[str, str]]:
+    return [(c.id, c.source) for c in nbformat.read(path, as_version=4).cells]
+
+
+def test_notebook_loop_contents_edit_execute_and_clear(jlk, notebook):
+    shown = jlk("contents", "--path", NOTEBOOK)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [
+        f"{NOTEBOOK}: 3 cells",
+        "[0] markdown intro",
+        "    # Analysis",
+        "[1] code load",
+        "    import pandas as pd",
+        "    df = pd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})",
+        "[2] code total",
+        "    df['a'].sum()",
+    ]
+
+    inserted = jlk("edit", "--path", NOTEBOOK, "insert", "--at-index", "3", "--source", "print(len(df))")
+    assert inserted.returncode == 0, inserted.stderr
+    new_id = inserted.stdout.split()[3]
+    assert inserted.stdout == f"inserted code cell {new_id} at index 3 in {NOTEBOOK}\n"
+    assert cell_sources(notebook)[3] == (new_id, "print(len(df))")
+
+    replaced = jlk("edit", "--path", NOTEBOOK, "replace-source", "--cell-id", "total", "--source", "df['a'].sum() * 10")
+    assert (replaced.returncode, replaced.stdout) == (0, f"replaced the source of cell total in {NOTEBOOK}\n")
+    assert cell_sources(notebook)[2] == ("total", "df['a'].sum() * 10")
+
+    assert jlk("--session", "nb", "execute", "--path", NOTEBOOK, "--cell-id", "load").returncode == 0
+    ran = jlk("--session", "nb", "execute", "--path", NOTEBOOK, "--cell-id", "total")
+    assert (ran.returncode, ran.stdout) == (0, "60\n")
+    saved = nbformat.read(notebook, as_version=4).cells[2]
+    assert saved.outputs[0]["data"]["text/plain"] == "60"
+    assert saved.execution_count is not None
+
+    unsaved = jlk("--session", "nb", "execute", "--path", NOTEBOOK, "--index", "3", "--no-save-outputs")
+    assert (unsaved.returncode, unsaved.stdout) == (0, "3\n")
+    assert nbformat.read(notebook, as_version=4).cells[3].outputs == []
+
+    with_outputs = jlk("contents", "--path", NOTEBOOK, "--include-outputs")
+    assert "    -- outputs --\n    60\n" in with_outputs.stdout
+
+    moved = jlk("edit", "--path", NOTEBOOK, "move", "--cell-id", new_id, "--to-index", "0")
+    assert (moved.returncode, moved.stdout) == (0, f"moved cell {new_id} to index 0 in {NOTEBOOK}\n")
+    assert [i for i, _ in cell_sources(notebook)] == [new_id, "intro", "load", "total"]
+
+    deleted = jlk("edit", "--path", NOTEBOOK, "delete", "--index", "0")
+    assert (deleted.returncode, deleted.stdout) == (0, f"deleted cell {new_id} in {NOTEBOOK}\n")
+    assert [i for i, _ in cell_sources(notebook)] == ["intro", "load", "total"]
+
+    cleared = jlk("edit", "--path", NOTEBOOK, "clear-outputs")
+    assert (cleared.returncode, cleared.stdout) == (0, f"cleared the outputs of every cell in {NOTEBOOK}\n")
+    assert all(c.outputs == [] and c.execution_count is None
+               for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code")
+
+
+def test_notebook_refusals_exit_2_and_leave_the_file_alone(jlk, notebook):
+    before = notebook.read_bytes()
+    out_of_range = jlk("edit", "--path", NOTEBOOK, "delete", "--index", "9")
+    assert out_of_range.returncode == 2
+    assert f"--index 9 is out of range: {NOTEBOOK} has 3 cells" in out_of_range.stderr
+
+    unknown_cell = jlk("edit", "--path", NOTEBOOK, "replace-source", "--cell-id", "nope", "--source", "1")
+    assert unknown_cell.returncode == 2
+    assert "nope" in unknown_cell.stderr
+
+    missing = jlk("contents", "--path", "user-files/missing.ipynb")
+    assert missing.returncode == 2 and "missing.ipynb" in missing.stderr
+    assert notebook.read_bytes() == before
+
+
+def test_variables_list_and_dataframe_preview(jlk):
+    code = "import pandas as pd\nframe = pd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})\ncount = 3"
+    assert jlk("--session", "vars", "execute", "--code", code).returncode == 0
+
+    listed = jlk("--session", "vars", "variables", "list")
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
+    assert listed.stdout.splitlines()[0].split() == ["name", "type", "summary"]
+    assert "DataFrame" in rows["frame"] and "int" in rows["count"]
+
+    preview = jlk("--session", "vars", "variables", "preview", "--name", "frame")
+    assert preview.returncode == 0, preview.stderr
+    assert preview.stdout.startswith("frame: DataFrame")
+    assert "3" in preview.stdout and "a" in preview.stdout and "object" in preview.stdout
+
+    missing = jlk("--session", "vars", "variables", "preview", "--name", "nothing_here")
+    assert missing.returncode == 2 and "nothing_here" in missing.stderr
+
+
+def test_run_all_stops_at_the_error_and_restart_run_all_saves_outputs(jlk, notebook):
+    broken = jlk("edit", "--path", NOTEBOOK, "insert", "--at-index", "2", "--source", "raise ValueError('bad row')")
+    broken_id = broken.stdout.split()[3]
+
+    stopped = jlk("--session", "runall", "run-all", "--path", NOTEBOOK)
+    assert stopped.returncode == 1
+    assert "ValueError: bad row" in stopped.stdout
+    assert f"stopped at cell {broken_id}" in stopped.stdout
+    assert "cell total" not in stopped.stdout  # nothing after the error ran
+
+    assert jlk("edit", "--path", NOTEBOOK, "delete", "--cell-id", broken_id).returncode == 0
+    verified = jlk("--session", "runall", "restart-run-all", "--path", NOTEBOOK, "--save-outputs")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert verified.stdout.splitlines()[-2:] == ["ok: ran 2 cells", "outputs saved to the notebook"]
+    saved = nbformat.read(notebook, as_version=4).cells[2]
+    assert saved.outputs[0]["data"]["text/plain"] == "6"
