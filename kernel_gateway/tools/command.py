@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import errno
 import math
 import os
 import signal
@@ -222,10 +223,14 @@ def _spill_opener(agent_root: str, spill_dir: str, run_id: str) -> Callable[[str
     """Creates spill files beneath the agent root: the agent could swap in a symlink."""
 
     def open_spill(stream: str) -> tuple[str, int]:
-        mkdirs_in_root(agent_root, spill_dir)
         path = os.path.join(spill_dir, f"{stream}-{run_id}.txt")
-        fd = open_in_root(agent_root, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        return str(resolve_in_root(agent_root, path)), fd
+        try:
+            mkdirs_in_root(agent_root, spill_dir)
+            fd = open_in_root(agent_root, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except PathOutsideRoot:
+            raise OSError(errno.EXDEV, f"{spill_dir} leads outside the agent's tree") from None
+        # Where the file really is, whatever symlinks inside the tree led there.
+        return os.readlink(f"/proc/self/fd/{fd}"), fd
 
     return open_spill
 
