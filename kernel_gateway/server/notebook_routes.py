@@ -89,7 +89,8 @@ class RunBase(StreamingHandler, NotebookBase):
 
     def executor(self, agent: str, session: str) -> Any:
         async def execute(code: str, timeout: float | None) -> dict:
-            return await self.core.sessions.execute(agent, session, code, timeout=timeout)
+            # Images inline, so the outputs saved into the notebook show in JupyterLab.
+            return await self.core.sessions.execute(agent, session, code, timeout=timeout, inline_images=True)
 
         return execute
 

@@ -73,7 +73,11 @@ class PatchHandler(BaseHandler):
         except UnicodeDecodeError as e:
             raise bad_request(f"the patch is not UTF-8 text: {e}", code="not_utf8") from None
         cwd = "."
-        if self.request.headers.get("Content-Type", "").startswith("application/json"):
+        content_type = self.request.headers.get("Content-Type", "")
+        # A patch never starts with "{": a JSON body is recognised even without its header.
+        if content_type.startswith("application/json") or (
+            not content_type.startswith("text/") and text.lstrip().startswith("{")
+        ):
             try:
                 body = json.loads(text)
             except ValueError as e:

@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Mapping
 
-from ..errors import bad_request
+from ..errors import GatewayError, bad_request
 from ..sandbox import launch
 from .workspace_paths import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
 
@@ -116,10 +116,11 @@ def _cwd(request: Mapping[str, Any], agent_root: str) -> str:
     try:
         resolved = resolve_in_root(agent_root, _no_nul(cwd, "'cwd'"))
     except PathOutsideRoot:
-        raise bad_request(
+        raise GatewayError(
+            403,
+            "outside_workspace",
             f"'cwd' {cwd!r} is outside the agent's workspace {agent_root}",
             "use a path relative to the agent root, or an absolute path inside it",
-            code="outside_workspace",
         ) from None
     if not resolved.is_dir():
         raise bad_request(f"'cwd' {cwd!r} is not an existing directory", code="bad_cwd")

@@ -1,0 +1,171 @@
+"""command, read_file, apply_patch, notebooks and variables through the real sockets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import urllib.parse
+
+import pytest
+
+from support import GatewayProcess
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    gateway = GatewayProcess(tmp_path_factory.mktemp("tools")).start()
+    for agent in ("alice", "bob"):
+        gateway.client.call("PUT", f"/v1/agents/{agent}")
+    yield gateway
+    gateway.stop()
+
+
+def tree_digest(root: str) -> str:
+    """A digest of every path and file content under root: 'nothing changed' made checkable."""
+    h = hashlib.sha256()
+    for top, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(top, name)
+            h.update(path.encode())
+            if os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def test_command_runs_in_the_agents_workspace(gw):
+    status, body = gw.client.call("POST", "/v1/agents/alice/commands", {"command": "pwd; id -u; ls " + gw.root})
+    assert status == 200
+    assert body["stdout"].split() == [os.path.join(gw.root, "alice"), "1000", "alice"]
+    assert body["exit_code"] == 0 and body["timed_out"] is False
+
+
+def test_command_streams_ndjson(gw):
+    events = list(gw.client.stream("/v1/agents/alice/commands", {"command": "echo one; echo two >&2", "stream": True}))
+    assert events[-1]["event"] == "result" and events[-1]["exit_code"] == 0
+    outputs = [e["output"] for e in events if e["event"] == "output"]
+    assert {"type": "stdout", "text": "one\n"} in outputs
+
+
+def test_jlk_inside_a_command_reaches_only_its_own_agent(gw):
+    gw.client.execute("alice", "default", "secret = 7")
+    ok = gw.client.call("POST", "/v1/agents/alice/commands", {"command": "jlk execute --code 'print(secret * 6)'"})[1]
+    assert ok["exit_code"] == 0, ok
+    assert ok["stdout"] == "42\n"
+    other = gw.client.call(
+        "POST", "/v1/agents/alice/commands", {"command": "jlk --agent bob execute --code 'print(1)'"}
+    )[1]
+    assert other["exit_code"] != 0
+    assert "out of reach" in other["stdout"] + other["stderr"]
+
+
+def test_read_file_and_patch_round_trip(gw):
+    patch = "*** Begin Patch\n*** Add File: user-files/notes.txt\n+alpha\n+beta\n*** End Patch\n"
+    status, body = gw.client.call("POST", "/v1/agents/alice/patch", raw=patch.encode(), headers={"Content-Type": "text/plain"})
+    assert status == 200 and body["ok"] and body["added"] == ["user-files/notes.txt"]
+    assert body["output"] == "Success. Updated the following files:\nA user-files/notes.txt\n"
+    status, body = gw.client.call("GET", "/v1/agents/alice/files?path=user-files/notes.txt&offset=2&limit=1")
+    assert status == 200 and body["content"] == "beta\n" and body["total_lines"] == 2
+    update = {"patch": "*** Begin Patch\n*** Update File: notes.txt\n@@\n-beta\n+gamma\n*** End Patch", "cwd": "user-files"}
+    status, body = gw.client.call("POST", "/v1/agents/alice/patch", update)
+    assert status == 200 and body["modified"] == ["notes.txt"]
+    with open(os.path.join(gw.root, "alice", "user-files", "notes.txt")) as f:
+        assert f.read() == "alpha\ngamma\n"
+
+
+def test_failed_patch_is_422_with_the_reference_text(gw):
+    patch = "*** Begin Patch\n*** Update File: user-files/missing.txt\n@@\n-a\n+b\n*** End Patch\n"
+    before = tree_digest(os.path.join(gw.root, "alice"))
+    status, body = gw.client.call("POST", "/v1/agents/alice/patch", raw=patch.encode())
+    assert status == 422 and body["ok"] is False and "missing.txt" in body["output"]
+    assert tree_digest(os.path.join(gw.root, "alice")) == before
+
+
+def test_agent_socket_tools_are_scoped(gw):
+    alice = gw.agent_client("alice")
+    assert alice.call("POST", "/v1/agents/me/commands", {"command": "true"})[0] == 200
+    assert alice.call("POST", "/v1/agents/bob/commands", {"command": "touch /tmp/x"})[0] == 403
+    assert alice.call("GET", "/v1/agents/bob/files?path=SOUL.md")[0] == 403
+    assert alice.call("POST", "/v1/agents/bob/patch", raw=b"*** Begin Patch\n*** End Patch")[0] == 403
+    assert alice.call("GET", "/v1/agents/bob/notebooks/x.ipynb")[0] == 403
+
+
+NOTEBOOK = {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+
+BAD = [
+    ("POST", "/v1/agents/alice/commands", {"command": 1}, 400),
+    ("POST", "/v1/agents/alice/commands", {}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "argv": ["touch", "y"]}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "cwd": "../bob"}, 403),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "timeout": -1}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "env": {"A": 1}}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "shell": True}, 400),
+    ("GET", "/v1/agents/alice/files", None, 400),
+    ("GET", "/v1/agents/alice/files?path=../bob/SOUL.md", None, 403),
+    ("GET", "/v1/agents/alice/files?path=/etc/passwd", None, 403),
+    ("GET", "/v1/agents/alice/files?path=user-files", None, 400),
+    ("GET", "/v1/agents/alice/files?path=nope.txt", None, 404),
+    ("GET", "/v1/agents/alice/files?path=SOUL.md&offset=0", None, 400),
+    ("GET", "/v1/agents/alice/files?path=SOUL.md&limit=abc", None, 400),
+    ("POST", "/v1/agents/alice/patch", b"", 400),
+    ("POST", "/v1/agents/alice/patch", b"\xff\xfe not utf-8", 400),
+    ("POST", "/v1/agents/alice/patch", b"*** Begin Patch\n*** Add File: ../bob/x\n+x\n*** End Patch", 422),
+    ("POST", "/v1/agents/alice/patch", b"*" * (5 << 20), 413),
+    ("PUT", "/v1/agents/alice/notebooks/user-files/n.ipynb", b"{broken", 400),
+    ("PUT", "/v1/agents/alice/notebooks/../bob/n.ipynb", NOTEBOOK, 403),
+    ("GET", "/v1/agents/alice/notebooks/user-files/none.ipynb", None, 404),
+    ("GET", "/v1/agents/alice/notebooks/user-files/notes.txt", None, 400),
+    ("POST", "/v1/agents/alice/notebooks/user-files/book.ipynb/cells", {"index": 99, "source": "x"}, 400),
+    ("POST", "/v1/agents/alice/notebooks/user-files/book.ipynb/cells", {"index": 0, "source": 5}, 400),
+    ("PATCH", "/v1/agents/alice/notebooks/user-files/book.ipynb/cells/nope", {"source": "x"}, 404),
+    ("POST", "/v1/agents/alice/notebooks/user-files/book.ipynb/cells/nope/move", {"to_index": 0}, 404),
+    ("GET", "/v1/agents/alice/sessions/default/variables?limit=0", None, 400),
+    ("GET", "/v1/agents/alice/sessions/default/variables/not_defined_anywhere", None, 404),
+    ("GET", "/v1/agents/alice/sessions/nosuch/variables", None, 404),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status", BAD)
+def test_tool_bad_input_changes_nothing(gw, method, path, body, status):
+    gw.client.call("PUT", "/v1/agents/alice/notebooks/user-files/book.ipynb", NOTEBOOK)
+    gw.client.execute("alice", "default", "1")
+    roots = [os.path.join(gw.root, a) for a in ("alice", "bob")]
+    before = [tree_digest(r) for r in roots]
+    raw = body if isinstance(body, bytes) else None
+    got, reply = gw.client.call(method, path, None if raw is not None else body, raw=raw)
+    assert got == status, reply
+    if status != 422:
+        assert reply["error"]["message"]
+    else:
+        assert reply["ok"] is False
+    assert [tree_digest(r) for r in roots] == before
+
+
+def test_stale_etag_is_409_and_file_untouched(gw):
+    path = "/v1/agents/alice/notebooks/user-files/etag.ipynb"
+    etag = gw.client.call("PUT", path, NOTEBOOK)[1]["etag"]
+    gw.client.call("POST", path + "/cells", {"index": 0, "source": "a = 1"})  # the etag is now stale
+    on_disk = os.path.join(gw.root, "alice", "user-files", "etag.ipynb")
+    before = open(on_disk, "rb").read()
+    status, body = gw.client.call(
+        "POST", path + "/cells", {"index": 0, "source": "b = 2"}, headers={"If-Match": etag}
+    )
+    assert status == 409 and body["error"]["code"] == "etag_mismatch"
+    assert open(on_disk, "rb").read() == before
+
+
+def test_notebook_cell_execute_saves_outputs(gw):
+    path = "/v1/agents/alice/notebooks/user-files/run.ipynb"
+    gw.client.call("PUT", path, NOTEBOOK)
+    cell = gw.client.call("POST", path + "/cells", {"index": 0, "source": "print('saved')\n6 * 7"})[1]["id"]
+    status, body = gw.client.call("POST", f"{path}/cells/{cell}/execute", {})
+    assert status == 200 and body["status"] == "ok" and body["saved"] is True
+    with open(os.path.join(gw.root, "alice", "user-files", "run.ipynb")) as f:
+        saved = json.load(f)["cells"][0]
+    assert saved["execution_count"] == body["execution_count"]
+    streams = [o for o in saved["outputs"] if o["output_type"] == "stream"]
+    assert "".join(streams[0]["text"]) == "saved\n"
+    session = urllib.parse.quote("notebook:user-files/run.ipynb", safe="")
+    assert gw.client.call("GET", f"/v1/agents/alice/sessions/{session}")[0] == 200
