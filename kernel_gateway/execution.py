@@ -157,7 +157,12 @@ class CellRun:
 
 def short_error(error: dict) -> str:
     """``Type: message`` and the last frames of the traceback, for an agent to read."""
-    frames = [strip_ansi(line) for line in error.get("traceback", [])]
+    # IPython's first lines are a rule and a "Traceback (most recent call last)" banner.
+    frames = [
+        strip_ansi(line)
+        for line in error.get("traceback", [])
+        if not strip_ansi(line).startswith("---") and "Traceback (most recent call last)" not in strip_ansi(line)
+    ]
     tail = frames[-TRACEBACK_FRAMES - 1 : -1] if len(frames) > 1 else []
     lines = [f"{error.get('ename')}: {error.get('evalue')}"]
     if tail:
