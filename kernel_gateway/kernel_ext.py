@@ -74,6 +74,9 @@ EXTENSIONS = {
 # already in ipykernel's pipe; a background process writing forever must not
 # hold every cell up for long.
 FD_DRAIN_TIMEOUT = 1.0
+# Spill writes are gathered up to this size; our own buffer (not the file
+# object's) so that a forked child can drop what belongs to its parent.
+SPILL_BUFFER = 1 << 16
 # Large stream writes are encoded and spilled in slices so that bounding one
 # 100 MB print never needs a second 100 MB copy.
 SLICE_CHARS = 1 << 20
@@ -132,6 +135,9 @@ class OutputFiles:
         self.next_index = 1
         self._lock = threading.Lock()
 
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # the parent's may be held by one of its threads
+
     def start_cell(self, execution_count: int) -> None:
         with self._lock:
             self.execution_count = execution_count
@@ -156,7 +162,7 @@ class OutputFiles:
         while True:
             path = os.path.join(self.directory, name(number))
             try:
-                return number, path, open(path, "xb")
+                return number, path, open(path, "xb", buffering=0)
             except FileExistsError:
                 number += 1
 
@@ -180,6 +186,22 @@ class StreamBound:
         self.announce = announce
         # The fd watcher thread writes too.
         self._lock = threading.RLock()
+        self.spill_buffer_size = SPILL_BUFFER
+        self.in_forked_child = False
+        self._start_window()
+
+    def after_fork_in_child(self) -> None:
+        """Start over in a forked child (multiprocessing, say).
+
+        The parent's lock may be held by one of its threads and its spill file
+        and buffer are the parent's.  No cell ends in a child, so its spill
+        is written through and its marker goes out as soon as it cuts.
+        """
+        self._lock = threading.RLock()
+        if self.spill is not None:
+            self.spill.close()  # unbuffered: closes the child's fd, writes nothing
+        self.spill_buffer_size = 0
+        self.in_forked_child = True
         self._start_window()
 
     def _start_window(self) -> None:
@@ -190,6 +212,7 @@ class StreamBound:
         self.cutting = False
         self.spill: BinaryIO | None = None
         self.spill_path: str | None = None
+        self.spill_buffer = bytearray()
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):
@@ -235,27 +258,32 @@ class StreamBound:
         else:
             self._spill(bytes(self.head))
         self.head = bytearray()  # it is on disk now; keep only its length
+        if self.in_forked_child:
+            where = f"in {self.spill_path}" if self.spill_path else "not saved"
+            self.downstream(f"\n[... output of process {os.getpid()} beyond {self.head_bytes} bytes {where} ...]\n")
 
     def _spill(self, data: bytes) -> None:
+        self.spill_buffer += data
+        if len(self.spill_buffer) > self.spill_buffer_size:
+            self._flush_spill()
+
+    def _flush_spill(self) -> None:
+        pending, self.spill_buffer = memoryview(self.spill_buffer), bytearray()
         try:
-            self.spill.write(data)
+            while pending:
+                pending = pending[self.spill.write(pending) :]
         except OSError:  # disk full, or the sandbox's file size limit
             _report_failure(f"writing {self.spill_path}")
             self._drop_spill()
 
     def _close_spill(self) -> None:
-        try:
+        self._flush_spill()
+        if self.spill is not None:
             self.spill.close()
-        except OSError:
-            _report_failure(f"writing {self.spill_path}")
-            self._drop_spill()
 
     def _drop_spill(self) -> None:
         """Give up on an incomplete spill file: the marker must not promise the full output."""
-        try:
-            self.spill.close()
-        except OSError:
-            pass
+        self.spill.close()
         try:
             os.unlink(self.spill_path)
         except OSError:
@@ -410,6 +438,7 @@ class OutputBounds:
         self.displayhook.write_format_data = self.write_format_data
         self.shell.events.register("pre_execute", self.pre_execute)
         self.shell.events.register("post_execute", self.post_execute)
+        os.register_at_fork(after_in_child=self.after_fork_in_child)
 
     def uninstall(self) -> None:
         self.shell.events.unregister("pre_execute", self.pre_execute)
@@ -419,6 +448,11 @@ class OutputBounds:
             bound.stream.write = bound.downstream
         self.display_pub.publish = self.original_publish
         self.displayhook.write_format_data = self.original_write_format_data
+
+    def after_fork_in_child(self) -> None:
+        self.files.after_fork_in_child()
+        for bound in self.streams:
+            bound.after_fork_in_child()
 
     def announce(self, cut: dict[str, Any]) -> None:
         self.original_publish(data={TRUNCATION_MIME: cut}, metadata={})

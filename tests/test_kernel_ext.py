@@ -215,6 +215,22 @@ def test_cells_sharing_an_execution_count_get_their_own_files(kernel: Kernel, se
     assert Path(second_path).read_text() == "2" * 100_000 + "\n"
 
 
+def test_a_forked_child_is_bounded_and_says_where_the_rest_went(kernel: Kernel, session_dir: Path) -> None:
+    cell = kernel.run(
+        "import multiprocessing\n"
+        "child = multiprocessing.get_context('fork').Process(target=lambda: print('k' * 1_000_000))\n"
+        "child.start(); child.join(); print('parent done')"
+    )
+
+    spill = session_dir / "outputs" / f"cell-{cell.count}-stdout.txt"
+    text = cell.stream()
+    assert text.startswith("k" * (LIMIT // 2) + "\n[... output of process ")
+    assert f" beyond {LIMIT // 2} bytes in {spill} ...]\n" in text
+    assert text.endswith("parent done\n")
+    assert len(text.encode()) < LIMIT // 2 + MARKER_ALLOWANCE
+    assert spill.read_text() == "k" * 1_000_000 + "\n"
+
+
 def test_stderr_is_bounded_separately(kernel: Kernel, session_dir: Path) -> None:
     cell = kernel.run("import sys; print('out'); sys.stderr.write('e' * 200_000)")
 
