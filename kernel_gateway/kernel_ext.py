@@ -10,7 +10,9 @@ keeps large payloads from ever crossing ZMQ:
   passes through live; after that only a rolling tail of half the limit stays
   in memory while the full text goes to ``cell-<n>-<stream>.txt``.  When the
   cell ends, a marker ``[... N bytes cut: full output in <path> ...]`` and the
-  tail are emitted.
+  tail are emitted.  Output between cells (background threads) is closed at
+  the next cell's start; a forked child, which sees no cell end, says where
+  its output went as soon as it cuts.
 * Rich results (display_data, execute_result): binary mimetypes are written
   to artifact files ``cell-<n>-<k>.<ext>`` and replaced by a reference under
   ``application/vnd.kernel-gateway.artifact+json``; text larger than the limit
@@ -414,7 +416,12 @@ def _is_binary(mime: str) -> bool:
 
 
 class OutputBounds:
-    """The extension's state in one kernel: hooks installed, and how to take them out."""
+    """The extension's state in one kernel and the hooks it installs.
+
+    There is no unloading: IPython's history tee (see ``_skip_history_tee``)
+    restores whatever ``write`` it found when its cell ends, so taking the
+    hooks out from inside a cell cannot be done cleanly.
+    """
 
     def __init__(self, shell: Any, limit: int, directory: str):
         self.shell = shell
@@ -439,15 +446,6 @@ class OutputBounds:
         self.shell.events.register("pre_execute", self.pre_execute)
         self.shell.events.register("post_execute", self.post_execute)
         os.register_at_fork(after_in_child=self.after_fork_in_child)
-
-    def uninstall(self) -> None:
-        self.shell.events.unregister("pre_execute", self.pre_execute)
-        self.shell.events.unregister("post_execute", self.post_execute)
-        for bound in self.streams:
-            bound.finish()
-            bound.stream.write = bound.downstream
-        self.display_pub.publish = self.original_publish
-        self.displayhook.write_format_data = self.original_write_format_data
 
     def after_fork_in_child(self) -> None:
         self.files.after_fork_in_child()
@@ -513,6 +511,7 @@ class OutputBounds:
 
 
 def load_ipython_extension(ip: Any) -> None:
+    """Install the bounds; load at kernel start (IPKernelApp.extensions), once."""
     if getattr(ip, "_kernel_gateway_output_bounds", None) is not None:
         return
     directory = os.path.abspath(os.environ.get("KERNEL_GATEWAY_OUTPUT_DIR") or os.path.join(os.getcwd(), "outputs"))
@@ -523,10 +522,3 @@ def load_ipython_extension(ip: Any) -> None:
         _report_failure("loading the extension")
         return
     ip._kernel_gateway_output_bounds = bounds
-
-
-def unload_ipython_extension(ip: Any) -> None:
-    bounds = getattr(ip, "_kernel_gateway_output_bounds", None)
-    if bounds is not None:
-        bounds.uninstall()
-        ip._kernel_gateway_output_bounds = None

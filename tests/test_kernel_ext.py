@@ -350,7 +350,7 @@ def test_large_html_is_cut_and_large_svg_and_json_become_artifacts(kernel: Kerne
 
 SMALL_OUTPUTS = """\
 import sys
-from IPython.display import display, HTML, Markdown, JSON, Image
+from IPython.display import display, HTML, Markdown, JSON
 print('hello', 'wörld')
 sys.stderr.write('a warning\\n')
 display(HTML('<b>bold</b>'), Markdown('*md*'), JSON({'a': [1, 2]}))
