@@ -110,6 +110,7 @@ async def run_all(
                 "execution_count": result.get("execution_count"),
                 "text": result.get("text", ""),
                 "error": result.get("error"),
+                "artifacts": result.get("artifacts", []),
             }
         )
         updates.append(

@@ -53,6 +53,7 @@ SYSTEM_READ_ONLY = [
     "--ro-bind-try", "/etc/localtime", "/etc/localtime",
     "--ro-bind-try", "/etc/ssl/certs", "/etc/ssl/certs",
     "--ro-bind-try", "/etc/mime.types", "/etc/mime.types",
+    "--ro-bind-try", "/etc/fonts", "/etc/fonts",
     "--ro-bind-try", "/usr/local", "/usr/local",
     "--ro-bind-try", "/opt/venv", "/opt/venv",
 ]  # fmt: skip
