@@ -1,0 +1,1 @@
+"""The performance suite: `python -m benchmarks` (see run.py)."""

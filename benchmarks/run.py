@@ -1,0 +1,477 @@
+"""The performance suite: the gateway measured against its own bare baselines.
+
+Starts its own gateways in a temp directory, measures each metric together
+with the baseline it is judged against (in the same run, because these
+machines are noisy), prints progress to stderr and one JSON object on the
+last line of stdout, whose "targets" say which targets were met.
+
+    python -m benchmarks [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JLK = os.path.join(REPO, "skills", "jupyter-live-kernel", "scripts", "jlk")
+BIN = os.path.dirname(sys.executable)
+PYTHON_START_CODE = "import json, socket, http.client"
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile; p in [0, 100]."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, int(round(p / 100 * len(ordered) + 0.5)) - 1))
+    return ordered[rank]
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def vm_rss_kb(pid: int, field: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants, from /proc/<pid>/task/*/children."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except FileNotFoundError:
+            pass
+    return tree
+
+
+def tree_rss_kb(pid: int) -> int:
+    total = 0
+    for member in process_tree(pid):
+        try:
+            total += vm_rss_kb(member)
+        except FileNotFoundError:
+            pass
+    return total
+
+
+# --- the socket client ------------------------------------------------------------
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 300):
+        super().__init__("gateway", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+class Client:
+    """One kept-alive HTTP/1.1 connection to the gateway's control socket."""
+
+    def __init__(self, socket_path: str):
+        self.conn = UnixHTTPConnection(socket_path)
+
+    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        try:
+            self.conn.request(method, path, body=data, headers=headers)
+            response = self.conn.getresponse()
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            # The server closed the kept-alive connection while it idled: once more on a new one.
+            self.conn.close()
+            self.conn.request(method, path, body=data, headers=headers)
+            response = self.conn.getresponse()
+        payload = response.read()
+        return response.status, json.loads(payload) if payload else {}
+
+    def ok(self, method: str, path: str, body: dict | None = None) -> dict:
+        status, answer = self.call(method, path, body)
+        if status >= 300:
+            raise RuntimeError(f"{method} {path} -> {status}: {answer}")
+        return answer
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class Gateway:
+    """``kernel-gateway serve`` in its own directory, as an operator would run it."""
+
+    def __init__(self, base: str, name: str, *args: str):
+        self.dir = os.path.join(base, name)
+        os.makedirs(self.dir)
+        self.state = os.path.join(self.dir, "state")
+        self.socket = os.path.join(self.state, "control.sock")
+        cmd = [os.path.join(BIN, "kernel-gateway"), "serve", "--root", os.path.join(self.dir, "agents"),
+               "--state-dir", self.state, *args]
+        self.log_path = os.path.join(self.dir, "gateway.log")
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start: {open(self.log_path).read()}")
+            try:
+                probe = Client(self.socket)
+                probe.ok("GET", "/v1/info")
+                probe.close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        self.client = Client(self.socket)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def agent(self, agent: str) -> None:
+        self.client.ok("PUT", f"/v1/agents/{agent}", {})
+
+    def session(self, agent: str, session: str) -> dict:
+        return self.client.ok("POST", f"/v1/agents/{agent}/sessions", {"session": session})
+
+    def delete_session(self, agent: str, session: str) -> None:
+        self.client.ok("DELETE", f"/v1/agents/{agent}/sessions/{session}")
+
+    def execute(self, agent: str, session: str, code: str, client: Client | None = None) -> dict:
+        answer = (client or self.client).ok("POST", f"/v1/agents/{agent}/sessions/{session}/execute", {"code": code})
+        if answer.get("status") != "ok":
+            raise RuntimeError(f"execute failed: {answer}")
+        return answer
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --- bare jupyter_client baselines ------------------------------------------------------
+
+
+async def bare_kernel_start() -> tuple[float, object, object]:
+    """Start python3 with AsyncKernelManager, no sandbox; seconds to wait_for_ready."""
+    from jupyter_client import AsyncKernelManager
+
+    started = time.perf_counter()
+    km = AsyncKernelManager(kernel_name="python3")
+    await km.start_kernel(stderr=subprocess.DEVNULL)
+    kc = km.client()
+    kc.start_channels()
+    await kc.wait_for_ready(timeout=60)
+    return time.perf_counter() - started, km, kc
+
+
+async def bare_stop(km, kc) -> None:
+    kc.stop_channels()
+    await km.shutdown_kernel(now=True)
+
+
+async def bare_execute_rtt(kc, repetitions: int) -> list[float]:
+    """`x = 1`: send execute, wait for the shell reply and iopub idle of that request."""
+    # Drain the iopub noise of start-up first.
+    while True:
+        try:
+            await kc.get_iopub_msg(timeout=0.2)
+        except Exception:
+            break
+    samples = []
+    for _ in range(repetitions):
+        started = time.perf_counter()
+        msg_id = kc.execute("x = 1")
+        reply = await kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = await kc.get_shell_msg(timeout=30)
+        while True:
+            msg = await kc.get_iopub_msg(timeout=30)
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"):
+                break
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+# --- the suite ------------------------------------------------------------------------
+
+
+def timed_runs(argv: list[str], repetitions: int, env: dict | None = None) -> list[float]:
+    samples = []
+    for _ in range(repetitions):
+        started = time.perf_counter()
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        samples.append(time.perf_counter() - started)
+        if done.returncode != 0:
+            raise RuntimeError(f"{argv} exited {done.returncode}: {done.stderr.decode()[-500:]}")
+    return samples
+
+
+def measure_starts(base: str, n: int, results: dict) -> None:
+    """Bare kernel start and cold session start, interleaved so noise hits both alike."""
+    log(f"cold start: gateway with spare kernels off, {n} bare / cold pairs")
+    cold_gateway = Gateway(base, "cold", "--Gateway.spare_kernels=False")
+    bare, cold = [], []
+    try:
+        # One throwaway pair: first imports and page cache.
+        asyncio.run(_bare_once())
+        cold_gateway.agent("warmup")
+        cold_gateway.session("warmup", "s")
+        cold_gateway.delete_session("warmup", "s")
+        for i in range(n):
+            bare.append(asyncio.run(_bare_once()))
+            agent = f"cold{i}"
+            cold_gateway.agent(agent)
+            started = time.perf_counter()
+            cold_gateway.session(agent, "s")
+            cold.append(time.perf_counter() - started)
+            cold_gateway.delete_session(agent, "s")
+            log(f"  bare {ms(bare[-1])} ms, cold session {ms(cold[-1])} ms")
+    finally:
+        cold_gateway.stop()
+    results["bare_kernel_start_ms"] = ms(statistics.median(bare))
+    results["session_start_cold_ms"] = ms(statistics.median(cold))
+    results["cold_start_vs_bare"] = round(statistics.median(cold) / statistics.median(bare), 3)
+
+
+async def _bare_once() -> float:
+    seconds, km, kc = await bare_kernel_start()
+    await bare_stop(km, kc)
+    return seconds
+
+
+def measure_spare_start(gw: Gateway, n: int, results: dict) -> None:
+    log(f"spare start: {n} sessions, each after its spare had 3 s to get ready")
+    gw.agent("spare")
+    gw.session("spare", "first")
+    previous = "first"
+    samples = []
+    for i in range(n):
+        time.sleep(3)
+        started = time.perf_counter()
+        gw.session("spare", f"s{i}")
+        samples.append(time.perf_counter() - started)
+        gw.delete_session("spare", previous)
+        previous = f"s{i}"
+        log(f"  spare session {ms(samples[-1])} ms")
+    gw.delete_session("spare", previous)
+    results["session_start_spare_ms"] = {"p50": ms(percentile(samples, 50)), "max": ms(max(samples)), "n": n}
+
+
+def measure_execute(gw: Gateway, n: int, results: dict) -> None:
+    log(f"execute round trip: {n} x `x = 1`, bare jupyter_client then through the socket")
+
+    async def bare() -> list[float]:
+        _, km, kc = await bare_kernel_start()
+        try:
+            await bare_execute_rtt(kc, 10)  # warm-up
+            return await bare_execute_rtt(kc, n)
+        finally:
+            await bare_stop(km, kc)
+
+    bare_samples = asyncio.run(bare())
+    gw.agent("rtt")
+    gw.session("rtt", "s")
+    for _ in range(10):
+        gw.execute("rtt", "s", "x = 1")
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        gw.execute("rtt", "s", "x = 1")
+        samples.append(time.perf_counter() - started)
+    results["bare_execute_rtt_ms"] = {"p50": ms(percentile(bare_samples, 50)), "p99": ms(percentile(bare_samples, 99))}
+    results["execute_rtt_ms"] = {"p50": ms(percentile(samples, 50)), "p99": ms(percentile(samples, 99)), "n": n}
+
+
+def measure_cli(gw: Gateway, n: int, results: dict) -> None:
+    log(f"CLI: {n} x `jlk execute` and {n} x bare python start")
+    # jlk is run by the same interpreter as the baseline (python3 on PATH may be a slow shim).
+    env = dict(os.environ)
+    python_start = timed_runs([sys.executable, "-I", "-c", PYTHON_START_CODE], n)
+    jlk_argv = [sys.executable, JLK, "--socket", gw.socket, "--agent", "rtt", "--session", "s",
+                "execute", "--code", "x = 1"]
+    timed_runs(jlk_argv, 3, env)  # warm-up
+    cli = timed_runs(jlk_argv, n, env)
+    cli_isolated = timed_runs([sys.executable, "-I", *jlk_argv[1:]], n, env)
+    results["python_start_ms"] = ms(percentile(python_start, 50))
+    results["cli_execute_ms"] = ms(percentile(cli, 50))
+    results["cli_execute_isolated_ms"] = ms(percentile(cli_isolated, 50))
+    results["cli_vs_python_start"] = round(percentile(cli, 50) / percentile(python_start, 50), 3)
+
+
+def measure_throughput(gw: Gateway, seconds: float, results: dict) -> None:
+    log(f"throughput: 10 sessions executing `x = 1` concurrently for {seconds} s")
+    gw.agent("tp")
+    sessions = [f"t{i}" for i in range(10)]
+    for s in sessions:
+        gw.session("tp", s)
+    counts = [0] * len(sessions)
+    errors: list[BaseException] = []
+    start_line = threading.Barrier(len(sessions) + 1)
+    deadline = [0.0]
+
+    def worker(index: int) -> None:
+        client = Client(gw.socket)
+        try:
+            gw.execute("tp", sessions[index], "x = 1", client)
+            start_line.wait()
+            while time.perf_counter() < deadline[0]:
+                gw.execute("tp", sessions[index], "x = 1", client)
+                counts[index] += 1
+        except BaseException as e:  # reported below, not lost in the thread
+            errors.append(e)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(sessions))]
+    for t in threads:
+        t.start()
+    deadline[0] = time.perf_counter() + 3600
+    start_line.wait()
+    began = time.perf_counter()
+    deadline[0] = began + seconds
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - began
+    if errors:
+        raise errors[0]
+    results["throughput_exec_per_s"] = round(sum(counts) / elapsed, 1)
+    for s in sessions:
+        gw.delete_session("tp", s)
+
+
+def measure_command(gw: Gateway, n: int, results: dict) -> None:
+    log(f"command overhead: {n} x /bin/true through the socket and bare")
+    gw.agent("cmd")
+    bare = []
+    for _ in range(n + 5):
+        started = time.perf_counter()
+        subprocess.run(["/bin/true"])
+        bare.append(time.perf_counter() - started)
+    via = []
+    for i in range(n + 5):
+        started = time.perf_counter()
+        answer = gw.client.ok("POST", "/v1/agents/cmd/commands", {"argv": ["/bin/true"]})
+        via.append(time.perf_counter() - started)
+        if i == 0 and answer.get("exit_code", answer.get("returncode", 0)) not in (0, None):
+            raise RuntimeError(f"/bin/true failed in the command sandbox: {answer}")
+    bare, via = bare[5:], via[5:]
+    results["bare_true_ms"] = ms(percentile(bare, 50))
+    results["command_true_ms"] = ms(percentile(via, 50))
+    results["command_overhead_ms"] = ms(percentile(via, 50) - percentile(bare, 50))
+
+
+def measure_memory(base: str, idle: int, results: dict) -> None:
+    log(f"memory: gateway RSS over {idle} idle sessions, one kernel's RSS, a 100 MB cell")
+    gw = Gateway(base, "memory", "--Gateway.spare_kernels=False", f"--Gateway.max_sessions_per_agent={idle + 2}")
+    try:
+        gw.agent("mem")
+        # Warm the code paths (imports, first kernel) before the baseline.
+        gw.session("mem", "warm")
+        gw.execute("mem", "warm", "x = 1")
+        before = vm_rss_kb(gw.pid)
+        for i in range(idle):
+            gw.session("mem", f"idle{i}")
+        time.sleep(1)
+        after = vm_rss_kb(gw.pid)
+        results["gateway_rss_kb_per_idle_session"] = round((after - before) / idle, 1)
+        kernel_pid = gw.client.ok("GET", "/v1/agents/mem/sessions/idle0")["pid"]
+        results["kernel_rss_kb"] = tree_rss_kb(kernel_pid)
+        for i in range(idle):
+            gw.delete_session("mem", f"idle{i}")
+
+        before = vm_rss_kb(gw.pid)
+        peak_before = vm_rss_kb(gw.pid, "VmHWM")
+        started = time.perf_counter()
+        gw.execute("mem", "warm", "print('x' * 100_000_000)")
+        elapsed = time.perf_counter() - started
+        after = vm_rss_kb(gw.pid)
+        peak_after = vm_rss_kb(gw.pid, "VmHWM")
+        results["gateway_rss_growth_mb_100mb_output"] = round((after - before) / 1024, 1)
+        results["gateway_peak_rss_growth_mb_100mb_output"] = round(max(0, peak_after - peak_before) / 1024, 1)
+        results["execute_100mb_output_ms"] = ms(elapsed)
+    finally:
+        gw.stop()
+
+
+def targets(r: dict) -> dict:
+    def target(value: float, op: str, limit: float, text: str) -> dict:
+        met = value <= limit if op == "<=" else value < limit
+        return {"value": value, "target": text, "met": met}
+
+    bare_rtt = r["bare_execute_rtt_ms"]["p50"]
+    return {
+        "cold_start_vs_bare": target(r["cold_start_vs_bare"], "<=", 1.25, "<= 1.25"),
+        "session_start_spare_p50_ms": target(r["session_start_spare_ms"]["p50"], "<", 100, "< 100"),
+        "execute_rtt_p50_ms": target(r["execute_rtt_ms"]["p50"], "<=", bare_rtt + 2,
+                                     f"<= bare + 2 = {round(bare_rtt + 2, 3)}"),
+        "gateway_kb_per_idle_session": target(r["gateway_rss_kb_per_idle_session"], "<=", 2048, "<= 2048"),
+        "gateway_growth_mb_100mb_output": target(r["gateway_rss_growth_mb_100mb_output"], "<=", 64, "<= 64"),
+        "command_overhead_p50_ms": target(r["command_overhead_ms"], "<", 15, "< 15"),
+        "cli_vs_python_start": target(r["cli_vs_python_start"], "<=", 1.6, "<= 1.6"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier numbers)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    n_start, n_spare, n_rtt, n_cli, n_cmd = (3, 3, 50, 10, 20) if quick else (5, 8, 200, 30, 50)
+    results: dict = {"quick": quick, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    base = tempfile.mkdtemp(prefix="kg-bench-")
+    began = time.perf_counter()
+    try:
+        measure_starts(base, n_start, results)
+        gw = Gateway(base, "main")
+        try:
+            measure_execute(gw, n_rtt, results)
+            measure_cli(gw, n_cli, results)
+            measure_command(gw, n_cmd, results)
+            measure_throughput(gw, 2.0 if quick else 4.0, results)
+            measure_spare_start(gw, n_spare, results)
+        finally:
+            gw.stop()
+        measure_memory(base, 20, results)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    results["targets"] = targets(results)
+    results["all_met"] = all(t["met"] for t in results["targets"].values())
+    results["duration_s"] = round(time.perf_counter() - began, 1)
+    log(f"done in {results['duration_s']} s")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
