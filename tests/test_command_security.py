@@ -320,7 +320,8 @@ def test_a_fork_bomb_is_contained_and_another_agent_keeps_working(agents: Path):
         bomb = asyncio.create_task(
             run_async(
                 agents / "alice",
-                {"command": f": {token}; b() {{ b | b & }}; b; sleep 600", "timeout": 20},
+                # The main shell then spins on a builtin: it must not need a fork to stay alive.
+                {"command": f": {token}; b() {{ b | b & }}; b; while :; do :; done", "timeout": 20},
                 profile,
                 on_event=watch,
             )
