@@ -195,7 +195,7 @@ def test_large_output_keeps_head_and_tail_and_spills_the_whole_stream(root: Path
     path = result["stdout_path"]
     assert path.startswith(str(spill_dir(root)) + "/stdout-")
     assert Path(path).read_bytes() == expected
-    marker = f"[... {len(expected) - 1000} bytes cut; full output in {path} ...]"
+    marker = f"[... {len(expected) - 1000} bytes cut: full output in {path} ...]"
     assert result["stdout"] == expected[:500].decode() + "\n" + marker + "\n" + expected[-500:].decode()
     assert "stderr_path" not in result and result["stderr"] == ""
 
@@ -256,7 +256,7 @@ def test_streamed_events_stop_at_the_limit_with_a_marker(root: Path):
     result = run(root, {"command": "seq 1 100000"}, on_event=on_event, output_limit=1000)
     streamed = "".join(e["text"] for e in events)
     assert streamed.startswith("".join(f"{i}\n" for i in range(1, 100))[:1000])
-    assert streamed.endswith(f"[... output continues; full output in {result['stdout_path']} ...]\n")
+    assert streamed.endswith(f"[... output continues: full output in {result['stdout_path']} ...]\n")
     assert len(streamed) < 1200
 
 

@@ -205,7 +205,7 @@ class BoundedStream:
             where = f"full output could not be saved: {self.spill_error}"
         else:
             where = f"full output in {self.spill_path}"
-        return f"[... {what}; {where} ...]"
+        return f"[... {what}: {where} ...]"
 
     def text(self) -> str:
         if not self.truncated:
