@@ -131,8 +131,11 @@ def cut_marker(cut_bytes: int, path: str | None) -> str:
 class OutputFiles:
     """Names and creates the spill and artifact files of the running cell."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self, directory: str | None):
+        # None: <cwd>/outputs, looked up per cell, since a spare kernel is
+        # moved into its session's directory after the extension loaded.
+        self.fixed_directory = directory
+        self.directory = directory or os.path.abspath("outputs")
         self.execution_count = 0
         self.next_index = 1
         self._lock = threading.Lock()
@@ -144,6 +147,7 @@ class OutputFiles:
         with self._lock:
             self.execution_count = execution_count
             self.next_index = 1
+            self.directory = self.fixed_directory or os.path.abspath("outputs")
 
     def create_stream_file(self, stream_name: str) -> tuple[str, BinaryIO]:
         stem = f"cell-{self.execution_count}-{stream_name}"
@@ -423,7 +427,7 @@ class OutputBounds:
     hooks out from inside a cell cannot be done cleanly.
     """
 
-    def __init__(self, shell: Any, limit: int, directory: str):
+    def __init__(self, shell: Any, limit: int, directory: str | None):
         self.shell = shell
         self.files = OutputFiles(directory)
         self.display_pub = shell.display_pub
@@ -514,7 +518,8 @@ def load_ipython_extension(ip: Any) -> None:
     """Install the bounds; load at kernel start (IPKernelApp.extensions), once."""
     if getattr(ip, "_kernel_gateway_output_bounds", None) is not None:
         return
-    directory = os.path.abspath(os.environ.get("KERNEL_GATEWAY_OUTPUT_DIR") or os.path.join(os.getcwd(), "outputs"))
+    fixed = os.environ.get("KERNEL_GATEWAY_OUTPUT_DIR")
+    directory = os.path.abspath(fixed) if fixed else None
     try:
         bounds = OutputBounds(ip, output_limit(os.environ), directory)
         bounds.install()

@@ -176,6 +176,7 @@ class SessionManager:
             "agent": agent,
             "root": self.agent_root(agent),
             "socket": self.agent_socket(agent),
+            "spare_kernel_ready": agent in self.spares,
             "sessions": [s.to_json() for (a, _), s in self.sessions.items() if a == agent and s.state != "stopped"],
         }
 

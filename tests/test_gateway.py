@@ -114,6 +114,21 @@ def test_died_then_fresh_kernel_with_notice(gw):
     assert "died" in after["notice"]
 
 
+def test_spare_kernel_is_moved_into_its_session(gw):
+    run(gw, "1", agent="bob", session="first")
+    assert wait_until(lambda: gw.client.call("GET", "/v1/agents/bob")[1]["spare_kernel_ready"])
+    # Adopting the spare left no name behind in the user's namespace.
+    hidden = ("In", "Out", "exit", "quit", "get_ipython", "open")
+    names = run(gw, f"[n for n in dir() if not n.startswith('_') and n not in {hidden!r}]", agent="bob", session="second")
+    assert names["text"] == "[]\n"
+    code = "import os; print(os.getcwd(), os.environ['HOME'], os.environ['JLK_SESSION']); print('y' * 200_000)"
+    body = run(gw, code, agent="bob", session="second")
+    session_dir = os.path.join(gw.root, "bob", "sessions", "c2Vjb25k")
+    assert body["text"].split("\n")[0] == f"{session_dir} {session_dir} second"
+    [spill] = body["spill_paths"]
+    assert spill.startswith(os.path.join(session_dir, "outputs") + "/")
+
+
 def test_restart_clears_state(gw):
     run(gw, "z = 5", session="restart")
     status, body = gw.client.call("POST", "/v1/agents/alice/sessions/restart/restart")
