@@ -283,7 +283,8 @@ async def run_command(
 ) -> dict:
     """Run one command in a fresh sandbox; return its exit status and bounded output.
 
-    Invalid requests raise :class:`GatewayError` (400) before anything runs.
+    Invalid requests raise :class:`GatewayError` before anything runs: 400, or
+    403 ``outside_workspace`` for a ``cwd`` outside the agent's tree.
     """
     if not isinstance(request, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(request).__name__}")
@@ -326,18 +327,20 @@ async def run_command(
     prepared.spawned()
 
     timed_out = False
+    supervise = asyncio.gather(
+        _pump(process.stdout, out, on_event),
+        _pump(process.stderr, err, on_event),
+        _feed(process.stdin, stdin),
+        process.wait(),
+    )
     try:
-        supervise = asyncio.gather(
-            _pump(process.stdout, out, on_event),
-            _pump(process.stderr, err, on_event),
-            _feed(process.stdin, stdin),
-            process.wait(),
-        )
         try:
             await asyncio.wait_for(supervise, timeout)
         except asyncio.TimeoutError:
             timed_out = True
     finally:
+        # After a failing on_event the other parts would still be running.
+        supervise.cancel()
         if process.returncode is None:
             # Timed out, or the caller went away: end the whole sandbox now.
             try:
