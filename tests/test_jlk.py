@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import nbformat
 import pytest
@@ -101,6 +102,15 @@ def gateway(tmp_path_factory: pytest.TempPathFactory):
         yield gw
     finally:
         gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def stop_sessions_afterwards(gateway: Gateway):
+    """Each test's kernels end with it: the gateway caps live sessions per agent."""
+    yield
+    _, listing = http_call(gateway.socket, "GET", f"/v1/agents/{AGENT}/sessions")
+    for session in listing.get("sessions", []):
+        http_call(gateway.socket, "DELETE", f"/v1/agents/{AGENT}/sessions/{quote(session['id'], safe='')}")
 
 
 def clean_env(**extra: str) -> dict:
@@ -374,7 +384,7 @@ def notebook(gateway: Gateway) -> Path:
         nbformat.v4.new_markdown_cell("# Analysis", id="intro"),
         nbformat.v4.new_code_cell("import pandas as pd\ndf = pd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})",
                                   id="load"),
-        nbformat.v4.new_code_cell("df['a'].sum()", id="total"),
+        nbformat.v4.new_code_cell("int(df['a'].sum())", id="total"),
     ]
     nbformat.write(nb, path)
     return path
@@ -395,7 +405,7 @@ def test_notebook_loop_contents_edit_execute_and_clear(jlk, notebook):
         "    import pandas as pd",
         "    df = pd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})",
         "[2] code total",
-        "    df['a'].sum()",
+        "    int(df['a'].sum())",
     ]
 
     inserted = jlk("edit", "--path", NOTEBOOK, "insert", "--at-index", "3", "--source", "print(len(df))")
@@ -404,9 +414,9 @@ def test_notebook_loop_contents_edit_execute_and_clear(jlk, notebook):
     assert inserted.stdout == f"inserted code cell {new_id} at index 3 in {NOTEBOOK}\n"
     assert cell_sources(notebook)[3] == (new_id, "print(len(df))")
 
-    replaced = jlk("edit", "--path", NOTEBOOK, "replace-source", "--cell-id", "total", "--source", "df['a'].sum() * 10")
+    replaced = jlk("edit", "--path", NOTEBOOK, "replace-source", "--cell-id", "total", "--source", "int(df['a'].sum()) * 10")
     assert (replaced.returncode, replaced.stdout) == (0, f"replaced the source of cell total in {NOTEBOOK}\n")
-    assert cell_sources(notebook)[2] == ("total", "df['a'].sum() * 10")
+    assert cell_sources(notebook)[2] == ("total", "int(df['a'].sum()) * 10")
 
     assert jlk("--session", "nb", "execute", "--path", NOTEBOOK, "--cell-id", "load").returncode == 0
     ran = jlk("--session", "nb", "execute", "--path", NOTEBOOK, "--cell-id", "total")
@@ -472,6 +482,7 @@ def test_variables_list_and_dataframe_preview(jlk):
 
 def test_run_all_stops_at_the_error_and_restart_run_all_saves_outputs(jlk, notebook):
     broken = jlk("edit", "--path", NOTEBOOK, "insert", "--at-index", "2", "--source", "raise ValueError('bad row')")
+    assert broken.returncode == 0, broken.stderr
     broken_id = broken.stdout.split()[3]
 
     stopped = jlk("--session", "runall", "run-all", "--path", NOTEBOOK)
@@ -486,3 +497,50 @@ def test_run_all_stops_at_the_error_and_restart_run_all_saves_outputs(jlk, noteb
     assert verified.stdout.splitlines()[-2:] == ["ok: ran 2 cells", "outputs saved to the notebook"]
     saved = nbformat.read(notebook, as_version=4).cells[2]
     assert saved.outputs[0]["data"]["text/plain"] == "6"
+
+
+# --- inside the agent's sandbox ----------------------------------------------------------
+
+
+def sandboxed_command(gateway: Gateway, command: str) -> dict:
+    """Run ``command`` through the gateway's command tool: bwrap, the agent's tree, its socket."""
+    conn = UnixHTTPConnection(gateway.socket)
+    try:
+        conn.request("POST", f"/v1/agents/{AGENT}/commands", body=json.dumps({"command": command}))
+        response = conn.getresponse()
+        assert response.status == 200
+        return json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_jlk_in_a_sandboxed_command_reaches_only_its_own_agent(gateway):
+    # The skill's script as an agent would have it in its own tree (jlk on PATH is the same file).
+    (gateway.agent_root(AGENT) / "user-files").mkdir(exist_ok=True)
+    script = gateway.agent_root(AGENT) / "user-files" / "jlk"
+    script.write_bytes(Path(JLK).read_bytes())
+
+    ran = sandboxed_command(gateway, "python3 user-files/jlk --session boxed execute --code 'print(6 * 7)'")
+    assert (ran["exit_code"], ran["stdout"], ran["stderr"]) == (0, "42\n", "")
+
+    foreign = sandboxed_command(gateway, "python3 user-files/jlk --agent bob sessions")
+    assert foreign["exit_code"] == 2
+    assert foreign["stderr"] == "jlk: this socket belongs to agent 'alice'; 'bob' is out of reach\n"
+
+    control = sandboxed_command(gateway, f"python3 user-files/jlk --socket {gateway.socket} sessions")
+    assert control["exit_code"] == 3  # the control socket is not in the sandbox
+
+
+def test_jlk_from_a_kernel_cell_runs_in_another_session(jlk, gateway):
+    script = gateway.agent_root(AGENT) / "user-files" / "jlk"
+    script.parent.mkdir(exist_ok=True)
+    script.write_bytes(Path(JLK).read_bytes())
+    # The kernel has KERNEL_GATEWAY_SOCKET and JLK_SESSION; calling its own session would wait for itself.
+    code = (
+        "import os, subprocess\n"
+        f"r = subprocess.run(['python3', {str(script)!r}, '--session', 'helper', 'execute', '--code', 'print(7)'],\n"
+        "                   capture_output=True, text=True)\n"
+        "print(os.environ['JLK_SESSION'], r.returncode, r.stdout.strip())"
+    )
+    result = jlk("--session", "caller", "execute", "--code", code)
+    assert (result.returncode, result.stdout) == (0, "caller 0 7\n")
