@@ -1,4 +1,8 @@
-"""run_command through real bwrap: results, cwd, env, stdin, timeouts, bounded output, bad input."""
+"""run_command through real bwrap: results, cwd, env, stdin, timeouts, bounded output, bad input.
+
+The helpers shared with the security tests (``values_for``, ``processes_with``)
+live here; tests/conftest.py belongs to the kernel fixtures.
+"""
 
 from __future__ import annotations
 

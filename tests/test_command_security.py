@@ -26,6 +26,7 @@ import pytest
 from kernel_gateway.provisioner import python_env_paths
 from kernel_gateway.sandbox.profile import load_profile
 from kernel_gateway.tools.command import run_command
+from test_command import processes_with, values_for
 
 
 @pytest.fixture
@@ -38,17 +39,6 @@ def agents(tmp_path: Path) -> Path:
     (tmp_path / "state" / "registry.json").write_text('{"hmac": "key"}')
     (tmp_path / "host-file.txt").write_text("host only\n")
     return tmp_path / "agents"
-
-
-def values_for(root: Path) -> dict[str, str]:
-    prefix, base = python_env_paths(sys.executable)
-    return {
-        "agent": root.name,
-        "agent_root": str(root),
-        "python_prefix": prefix,
-        "python_base_prefix": base,
-        "python_bin": os.path.join(prefix, "bin"),
-    }
 
 
 def small_profile(**limits) -> dict:
@@ -70,19 +60,6 @@ async def run_async(root: Path, request: dict, profile: dict | None = None, **kw
 
 def run(root: Path, command: str, profile: dict | None = None, **kwargs) -> dict:
     return asyncio.run(run_async(root, {"command": command}, profile, **kwargs))
-
-
-def processes_with(token: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if token.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 # --- what the command can see ----------------------------------------------------------------
