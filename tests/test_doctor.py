@@ -26,8 +26,8 @@ NAMES = [
 
 
 def leftovers() -> set[str]:
-    """The doctor's scratch dirs and probe cgroups that still exist."""
-    patterns = ["/tmp/kg-doctor-*", "/sys/fs/cgroup/pids/kernel-gateway/doctor-*", "/sys/fs/cgroup/pids/kernel-gateway/probe-*"]
+    """The doctor's scratch dirs and cgroups that still exist (probe-* is shared with the server)."""
+    patterns = ["/tmp/kg-doctor-*", "/sys/fs/cgroup/pids/kernel-gateway/doctor-*"]
     return {path for pattern in patterns for path in glob.glob(pattern)}
 
 

@@ -293,14 +293,13 @@ def start_should_fail(make_kernelspec, tmp_path, config, python=None):
     runtime_root.mkdir()
     cwd = tmp_path / "workspace"
     cwd.mkdir()
-    cgroups_before = set(glob.glob(f"{PIDS_CGROUPS}/kernel-*"))
     config = dict(config, runtime_root=str(runtime_root))
     km = KernelManager(kernel_name=make_kernelspec(config, python))
     with pytest.raises(Exception) as failure:
         km.start_kernel(cwd=str(cwd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert list(runtime_root.iterdir()) == []
     assert processes_mentioning(str(runtime_root)) == []
-    assert set(glob.glob(f"{PIDS_CGROUPS}/kernel-*")) <= cgroups_before
+    assert km.kernel_id and kernel_cgroups(km.kernel_id) == []
     assert not km.has_kernel
     return failure.value
 
