@@ -182,11 +182,14 @@ class Gateway:
 
 
 async def bare_kernel_start() -> tuple[float, object, object]:
-    """Start python3 with AsyncKernelManager, no sandbox; seconds to wait_for_ready."""
+    """Start python3 with AsyncKernelManager, no sandbox; seconds to wait_for_ready.
+
+    ZMQ over ipc, as the gateway's kernels use, so the comparison is of the gateway alone.
+    """
     from jupyter_client import AsyncKernelManager
 
     started = time.perf_counter()
-    km = AsyncKernelManager(kernel_name="python3")
+    km = AsyncKernelManager(kernel_name="python3", transport="ipc", ip=tempfile.mktemp(prefix="kg-bench-ipc-"))
     await km.start_kernel(stderr=subprocess.DEVNULL)
     kc = km.client()
     kc.start_channels()
@@ -199,28 +202,18 @@ async def bare_stop(km, kc) -> None:
     await km.shutdown_kernel(now=True)
 
 
-async def bare_execute_rtt(kc, repetitions: int) -> list[float]:
-    """`x = 1`: send execute, wait for the shell reply and iopub idle of that request."""
-    # Drain the iopub noise of start-up first.
-    while True:
-        try:
-            await kc.get_iopub_msg(timeout=0.2)
-        except Exception:
-            break
-    samples = []
-    for _ in range(repetitions):
-        started = time.perf_counter()
-        msg_id = kc.execute("x = 1")
+async def bare_execute_once(kc) -> float:
+    """`x = 1`: send execute, wait for its shell reply and its iopub idle."""
+    started = time.perf_counter()
+    msg_id = kc.execute("x = 1")
+    reply = await kc.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
         reply = await kc.get_shell_msg(timeout=30)
-        while reply["parent_header"].get("msg_id") != msg_id:
-            reply = await kc.get_shell_msg(timeout=30)
-        while True:
-            msg = await kc.get_iopub_msg(timeout=30)
-            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                    and msg["content"]["execution_state"] == "idle"):
-                break
-        samples.append(time.perf_counter() - started)
-    return samples
+    while True:
+        msg = await kc.get_iopub_msg(timeout=30)
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"):
+            return time.perf_counter() - started
 
 
 # --- the suite ------------------------------------------------------------------------
@@ -289,40 +282,44 @@ def measure_spare_start(gw: Gateway, n: int, results: dict) -> None:
 
 
 def measure_execute(gw: Gateway, n: int, results: dict) -> None:
-    log(f"execute round trip: {n} x `x = 1`, bare jupyter_client then through the socket")
+    log(f"execute round trip: {n} x `x = 1`, bare jupyter_client and through the socket, interleaved")
+    gw.agent("rtt")
+    gw.session("rtt", "s")
 
-    async def bare() -> list[float]:
+    def via_gateway() -> float:
+        started = time.perf_counter()
+        gw.execute("rtt", "s", "x = 1")
+        return time.perf_counter() - started
+
+    async def both() -> tuple[list[float], list[float]]:
         _, km, kc = await bare_kernel_start()
+        bare, via = [], []
         try:
-            await bare_execute_rtt(kc, 10)  # warm-up
-            return await bare_execute_rtt(kc, n)
+            for i in range(n + 10):  # the first 10 of each are warm-up
+                bare.append(await bare_execute_once(kc))
+                via.append(via_gateway())  # blocks this loop, while the bare kernel idles
+            return bare[10:], via[10:]
         finally:
             await bare_stop(km, kc)
 
-    bare_samples = asyncio.run(bare())
-    gw.agent("rtt")
-    gw.session("rtt", "s")
-    for _ in range(10):
-        gw.execute("rtt", "s", "x = 1")
-    samples = []
-    for _ in range(n):
-        started = time.perf_counter()
-        gw.execute("rtt", "s", "x = 1")
-        samples.append(time.perf_counter() - started)
-    results["bare_execute_rtt_ms"] = {"p50": ms(percentile(bare_samples, 50)), "p99": ms(percentile(bare_samples, 99))}
-    results["execute_rtt_ms"] = {"p50": ms(percentile(samples, 50)), "p99": ms(percentile(samples, 99)), "n": n}
+    bare, via = asyncio.run(both())
+    results["bare_execute_rtt_ms"] = {"p50": ms(percentile(bare, 50)), "p99": ms(percentile(bare, 99))}
+    results["execute_rtt_ms"] = {"p50": ms(percentile(via, 50)), "p99": ms(percentile(via, 99)), "n": n}
 
 
 def measure_cli(gw: Gateway, n: int, results: dict) -> None:
     log(f"CLI: {n} x `jlk execute` and {n} x bare python start")
     # jlk is run by the same interpreter as the baseline (python3 on PATH may be a slow shim).
-    env = dict(os.environ)
-    python_start = timed_runs([sys.executable, "-I", "-c", PYTHON_START_CODE], n)
     jlk_argv = [sys.executable, JLK, "--socket", gw.socket, "--agent", "rtt", "--session", "s",
                 "execute", "--code", "x = 1"]
-    timed_runs(jlk_argv, 3, env)  # warm-up
-    cli = timed_runs(jlk_argv, n, env)
-    cli_isolated = timed_runs([sys.executable, "-I", *jlk_argv[1:]], n, env)
+    python_argv = [sys.executable, "-I", "-c", PYTHON_START_CODE]
+    isolated_argv = [sys.executable, "-I", *jlk_argv[1:]]
+    timed_runs(jlk_argv, 3)  # warm-up
+    python_start, cli, cli_isolated = [], [], []
+    for _ in range(n):
+        python_start += timed_runs(python_argv, 1)
+        cli += timed_runs(jlk_argv, 1)
+        cli_isolated += timed_runs(isolated_argv, 1)
     results["python_start_ms"] = ms(percentile(python_start, 50))
     results["cli_execute_ms"] = ms(percentile(cli, 50))
     results["cli_execute_isolated_ms"] = ms(percentile(cli_isolated, 50))
@@ -373,17 +370,15 @@ def measure_throughput(gw: Gateway, seconds: float, results: dict) -> None:
 def measure_command(gw: Gateway, n: int, results: dict) -> None:
     log(f"command overhead: {n} x /bin/true through the socket and bare")
     gw.agent("cmd")
-    bare = []
-    for _ in range(n + 5):
+    bare, via = [], []
+    for i in range(n + 5):  # interleaved; the first 5 of each are warm-up
         started = time.perf_counter()
         subprocess.run(["/bin/true"])
         bare.append(time.perf_counter() - started)
-    via = []
-    for i in range(n + 5):
         started = time.perf_counter()
         answer = gw.client.ok("POST", "/v1/agents/cmd/commands", {"argv": ["/bin/true"]})
         via.append(time.perf_counter() - started)
-        if i == 0 and answer.get("exit_code", answer.get("returncode", 0)) not in (0, None):
+        if answer.get("exit_code") != 0:
             raise RuntimeError(f"/bin/true failed in the command sandbox: {answer}")
     bare, via = bare[5:], via[5:]
     results["bare_true_ms"] = ms(percentile(bare, 50))
@@ -448,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quick = args.quick
     n_start, n_spare, n_rtt, n_cli, n_cmd = (3, 3, 50, 10, 20) if quick else (5, 8, 200, 30, 50)
-    results: dict = {"quick": quick, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    results: dict = {"quick": quick, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+                     "load_average_at_start": os.getloadavg()[0]}
     base = tempfile.mkdtemp(prefix="kg-bench-")
     began = time.perf_counter()
     try:
@@ -463,11 +459,19 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             gw.stop()
         measure_memory(base, 20, results)
+    except BaseException:
+        # What the gateways said is the first thing needed to understand a failed run.
+        for name in sorted(os.listdir(base)):
+            path = os.path.join(base, name, "gateway.log")
+            if os.path.exists(path):
+                log(f"gateway {name!r} log tail:\n" + open(path, errors="replace").read()[-3000:])
+        raise
     finally:
         shutil.rmtree(base, ignore_errors=True)
     results["targets"] = targets(results)
     results["all_met"] = all(t["met"] for t in results["targets"].values())
     results["duration_s"] = round(time.perf_counter() - began, 1)
+    results["load_average_at_end"] = os.getloadavg()[0]
     log(f"done in {results['duration_s']} s")
     print(json.dumps(results))
     return 0
