@@ -544,3 +544,12 @@ def test_jlk_from_a_kernel_cell_runs_in_another_session(jlk, gateway):
     )
     result = jlk("--session", "caller", "execute", "--code", code)
     assert (result.returncode, result.stdout) == (0, "caller 0 7\n")
+
+
+def test_skill_front_matter_names_the_skill_and_enables_it_by_default():
+    text = (REPO / "skills" / "jupyter-live-kernel" / "SKILL.md").read_text()
+    assert text.startswith("---\n")
+    front = text.split("---\n")[1].splitlines()
+    assert "name: jupyter-live-kernel" in front
+    assert any(line.startswith("description: ") and "stateful" in line for line in front)
+    assert front[front.index("metadata:") + 1] == "  default_enabled: true"
