@@ -75,6 +75,7 @@ def test_kernel_profile_argv():
         "--bind", "/tmp/kg-abc", "/tmp/kg-abc",
         "--ro-bind-data", "5", "/etc/passwd",
         "--ro-bind-data", "6", "/etc/group",
+        "--remount-ro", "/",
         "--chdir", "/srv/agents/alice/sessions/s1",
     ] + NO_CAPABILITIES_OWN_SESSION  # fmt: skip
     assert result.limits == Limits(processes=256, file_size=1 << 30, memory=4 << 30)
@@ -97,6 +98,7 @@ def test_command_profile_argv():
         "--bind", "/srv/agents/alice", "/srv/agents/alice",
         "--ro-bind-data", "5", "/etc/passwd",
         "--ro-bind-data", "6", "/etc/group",
+        "--remount-ro", "/",
         "--chdir", "/srv/agents/alice/sessions/s1",
     ] + NO_CAPABILITIES_OWN_SESSION  # fmt: skip
     assert result.limits == Limits(
@@ -110,6 +112,7 @@ def test_job_profile_argv_is_confined_to_the_job_directory():
         "--bind", "/srv/agents/alice/jobs/j1", "/srv/agents/alice/jobs/j1",
         "--ro-bind-data", "5", "/etc/passwd",
         "--ro-bind-data", "6", "/etc/group",
+        "--remount-ro", "/",
         "--chdir", "/srv/agents/alice/jobs/j1",
     ] + NO_CAPABILITIES_OWN_SESSION  # fmt: skip
     # The seed pattern's limits: two hours, an hour of CPU, 512 processes, files of 256M.
@@ -167,6 +170,7 @@ def test_seed_shaped_profile_argv():
         "--bind", "/srv/agents/alice/jobs/j1/out", "/out",
         "--bind", "/root/.codex", "/root/.codex",
         "--ro-bind-data", "7", "/etc/passwd",
+        "--remount-ro", "/",
         "--chdir", "/srv/agents/alice/sessions/s1",
         "--cap-drop", "ALL",
         "--cap-add", "CAP_NET_BIND_SERVICE",

@@ -390,6 +390,9 @@ def compile_profile(
             argv += ["--bind-try" if optional else "--bind", source, at]
     for (at, _text), fd in zip(files, data_fds):
         argv += ["--ro-bind-data", str(fd), at]
+    # bwrap's root is a tmpfs: make it read-only, so a write outside the
+    # read-write paths fails instead of vanishing into memory.
+    argv += ["--remount-ro", "/"]
 
     process = profile.get("process", {})
     cwd = _fill_path(process["cwd"], values, "process.cwd") if "cwd" in process else None
