@@ -53,6 +53,8 @@ class KernelOptions:
     log_dir: str
     output_limit: int
     startup_timeout: float
+    runtime_root: str
+    cgroup_prefix: str
 
 
 class Kernel:
@@ -73,6 +75,8 @@ class Kernel:
         config.SandboxedKernelProvisioner.agent = agent
         config.SandboxedKernelProvisioner.agent_socket = agent_socket
         config.SandboxedKernelProvisioner.bwrap = options.bwrap
+        config.SandboxedKernelProvisioner.runtime_root = options.runtime_root
+        config.SandboxedKernelProvisioner.cgroup_prefix = options.cgroup_prefix
         config.SandboxedKernelProvisioner.read_only = [
             {"from": EXTENSION_FILE, "at": f"{EXTENSION_DIR_INSIDE}/{KERNEL_EXTENSION}.py"}
         ]

@@ -56,6 +56,7 @@ class SandboxedKernelProvisioner(LocalProvisioner):
     agent_socket = Unicode("", config=True, help="Host path of the agent's socket to bind in.")
     bwrap = Unicode("", config=True, help="Path of bwrap; default: found on PATH.")
     runtime_root = Unicode("", config=True, help="Where per-kernel runtime dirs go; default: /tmp.")
+    cgroup_prefix = Unicode("kernel", config=True, help="Name prefix of the kernel's cgroup.")
     values = Dict(config=True, help="Extra placeholder values for the profile.")
     env = Dict(config=True, help="Extra environment variables inside the sandbox.")
     read_write = List(config=True, help='Extra paths bound read-write (a path, or {"from", "at"}).')
@@ -127,7 +128,7 @@ class SandboxedKernelProvisioner(LocalProvisioner):
                 self._placeholder_values(cwd, cmd[0]),
                 cmd,
                 bwrap=self.bwrap or None,
-                name=f"kernel-{self.kernel_id[:8]}",
+                name=f"{self.cgroup_prefix}-{self.kernel_id[:8]}",
                 extra_env=self._sandbox_env(kwargs["env"]),
             )
         except Exception:

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,6 +27,7 @@ from .errors import GatewayError, bad_request, not_found
 from .execution import KernelDied, OutputCallback, run_cell
 from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
 from .provisioner import python_env_paths
+from .sandbox import cgroups
 from .sandbox.profile import ProfileError, load_profile
 from .settings import Gateway
 
@@ -71,6 +75,11 @@ class SessionManager:
         self._registry_path = os.path.join(settings.state_dir, "registry.json")
         self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
         kernelspec_dir = write_kernelspec(settings.state_dir)
+        # Names that belong to this state directory, so a restart can sweep what
+        # a killed predecessor left (runtime dirs stay short: ipc paths <= 107 bytes).
+        instance = hashlib.sha256(settings.state_dir.encode()).hexdigest()[:10]
+        self.runtime_root = os.path.join(tempfile.gettempdir(), f"kg-{instance}")
+        self.cgroup_prefix = f"kg-{instance}"
         self._options = lambda agent: KernelOptions(
             kernelspec_dir=kernelspec_dir,
             profile=settings.profile_for(agent, "kernel"),
@@ -78,7 +87,15 @@ class SessionManager:
             log_dir=os.path.join(settings.state_dir, "logs"),
             output_limit=settings.output_limit,
             startup_timeout=settings.startup_timeout,
+            runtime_root=self.runtime_root,
+            cgroup_prefix=self.cgroup_prefix,
         )
+
+    def sweep_leftovers(self) -> None:
+        """Remove runtime dirs and cgroups of kernels of an earlier run (their kernels are gone)."""
+        shutil.rmtree(self.runtime_root, ignore_errors=True)
+        os.makedirs(self.runtime_root, mode=0o700, exist_ok=True)
+        cgroups.sweep(self.cgroup_prefix + "-")
 
     # --- registry ---------------------------------------------------------------
 
@@ -443,3 +460,4 @@ class SessionManager:
         self.spares.clear()
         self.save_registry()
         await asyncio.gather(*(k.shutdown(now=True) for k in kernels), return_exceptions=True)
+        shutil.rmtree(self.runtime_root, ignore_errors=True)

@@ -311,6 +311,17 @@ def test_gateway_kill9_then_sessions_are_lost_not_orphaned(tmp_path):
     assert wait_until(lambda: not pid_alive(pid)), "kernel outlived its gateway"
     gw2 = GatewayProcess(tmp_path).start()
     try:
+        info = gw2.client.call("GET", "/v1/info")[1]
+        # What the killed gateway could not clean up was swept at this start.
+        assert os.listdir(info["paths"]["runtime"]) == []
+        leftovers = [
+            name
+            for parent in ("/sys/fs/cgroup/pids/kernel-gateway", "/sys/fs/cgroup/unified/kernel-gateway")
+            if os.path.isdir(parent)
+            for name in os.listdir(parent)
+            if name.startswith(info["sandbox"]["cgroup_prefix"])
+        ]
+        assert leftovers == []
         [session] = gw2.client.call("GET", "/v1/agents/a/sessions")[1]["sessions"]
         assert session["id"] == "keep" and session["state"] == "lost"
         body = gw2.client.execute("a", "keep", "print(open('note.txt').read()); 'v' in dir()")[1]

@@ -158,6 +158,36 @@ def create(name: str, processes: int | None, memory: int | None) -> SandboxCgrou
     return None
 
 
+def _parents() -> list[str]:
+    """Every kernel-gateway parent directory this process would create leaves in."""
+    mounts, parents = _mounts(), []
+    for controller in ("pids", "memory"):
+        if controller in mounts:
+            parents.append(os.path.join(mounts[controller] + _own_cgroup(controller), PARENT))
+    if "unified" in mounts:
+        parents.append(os.path.join(mounts["unified"], PARENT))
+    return parents
+
+
+def sweep(prefix: str) -> int:
+    """Kill and remove leftover cgroups whose name starts with ``prefix``; return how many.
+
+    A gateway killed with SIGKILL cannot clean up: its kernels die with it
+    (--die-with-parent) but their empty cgroups stay until the next start.
+    """
+    removed = 0
+    for parent in _parents():
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+        except OSError:
+            continue
+        for name in names:
+            group = SandboxCgroup([os.path.join(parent, name)], "leftover")
+            group.remove()
+            removed += not group.dirs
+    return removed
+
+
 def describe() -> str | None:
     """Which cgroup mechanism sandboxes get here, or None."""
     # Probe with a memory cap too, or the memory controller is never tried.

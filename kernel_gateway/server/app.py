@@ -107,7 +107,10 @@ class GatewayServer:
         self.core.info = {
             "version": __version__,
             "bwrap": {"path": bwrap, "version": bwrap_version(bwrap)},
-            "sandbox": {"process_limits": cgroups.describe() or "rlimits only (no writable cgroup)"},
+            "sandbox": {
+                "process_limits": cgroups.describe() or "rlimits only (no writable cgroup)",
+                "cgroup_prefix": sessions.cgroup_prefix,
+            },
             "limits": {
                 "output_limit": s.output_limit,
                 "max_body_size": s.max_body_size,
@@ -117,8 +120,9 @@ class GatewayServer:
                 "cull_idle_timeout": s.cull_idle_timeout,
                 "spare_kernels": s.spare_kernels,
             },
-            "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket},
+            "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket, "runtime": sessions.runtime_root},
         }
+        sessions.sweep_leftovers()
         sessions.load_registry()
         self._listen(s.socket, None)
         for agent in sorted(sessions.agents):

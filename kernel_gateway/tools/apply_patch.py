@@ -161,13 +161,15 @@ def _parse_hunk(lines: list[str], line_number: int) -> tuple[Hunk, int]:
 
 def _parse_update(lines: list[str], line_number: int, path: str) -> tuple[Hunk, int]:
     hunk, i = Hunk("update", path), 1
-    if i < len(lines) and lines[i].rstrip(_WS).startswith(MOVE):
-        hunk.move_to = lines[i].rstrip(_WS)[len(MOVE):]
-        i += 1
     while i < len(lines):
         line = lines[i]
-        # A stray End of File before the first chunk, and blank lines after an
-        # End of File chunk, are skipped; other blank lines are context.
+        # Before the first chunk: one Move to, and stray End of File lines
+        # (skipped).  Blank lines after an End of File chunk are skipped too;
+        # other blank lines are context.
+        if not hunk.chunks and hunk.move_to is None and line.rstrip(_WS).startswith(MOVE):
+            hunk.move_to = line.rstrip(_WS)[len(MOVE):]
+            i += 1
+            continue
         if (not hunk.chunks and line.rstrip(_WS) == EOF_MARK) or (
             hunk.chunks and not line.strip(_WS)
         ):
