@@ -8,96 +8,34 @@ what it changed (the notebook file on disk, the kernel's state).
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import quote
 
 import nbformat
 import pytest
+from support import GatewayProcess
 
 REPO = Path(__file__).resolve().parent.parent
 JLK = str(REPO / "skills" / "jupyter-live-kernel" / "scripts" / "jlk")
-KERNEL_GATEWAY = os.path.join(os.path.dirname(sys.executable), "kernel-gateway")
 AGENT = "alice"
 NOTEBOOK = "user-files/analysis.ipynb"
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str):
-        super().__init__("localhost", timeout=30)
-        self.socket_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socket_path)
-
-
-def http_call(socket_path: str, method: str, path: str) -> tuple[int, dict]:
-    """One request straight to the gateway, for set-up that jlk has no command for."""
-    conn = UnixHTTPConnection(socket_path)
-    try:
-        conn.request(method, path)
-        response = conn.getresponse()
-        return response.status, json.loads(response.read() or b"{}")
-    finally:
-        conn.close()
-
-
-class Gateway:
-    """A running ``kernel-gateway serve`` and the paths a test needs."""
-
-    def __init__(self, tmp: Path):
-        self.root = tmp / "agents"
-        self.state = tmp / "state"
-        self.socket = str(self.state / "control.sock")
-        self.log = tmp / "gateway.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        cmd = [KERNEL_GATEWAY, "serve", "--root", str(self.root), "--state-dir", str(self.state),
-               "--socket", self.socket]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"gateway exited: {self.log.read_text()}"
-            try:
-                if http_call(self.socket, "GET", "/v1/info")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"gateway did not answer: {self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def agent_socket(self, agent: str) -> str:
-        return str(self.state / "agents" / f"{agent}.sock")
-
-    def agent_root(self, agent: str) -> Path:
-        return self.root / agent
+def agent_root(gateway: GatewayProcess, agent: str = AGENT) -> Path:
+    return Path(gateway.root) / agent
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory):
-    gw = Gateway(tmp_path_factory.mktemp("jlk"))
-    gw.start()
+    tmp = tmp_path_factory.mktemp("jlk")
+    gw = GatewayProcess(tmp, "--socket", str(tmp / "state" / "control.sock")).start()
     try:
-        status, _ = http_call(gw.socket, "PUT", f"/v1/agents/{AGENT}")
+        status, _ = gw.client.call("PUT", f"/v1/agents/{AGENT}")
         assert status in (200, 201)
         yield gw
     finally:
@@ -105,12 +43,12 @@ def gateway(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(autouse=True)
-def stop_sessions_afterwards(gateway: Gateway):
+def stop_sessions_afterwards(gateway: GatewayProcess):
     """Each test's kernels end with it: the gateway caps live sessions per agent."""
     yield
-    _, listing = http_call(gateway.socket, "GET", f"/v1/agents/{AGENT}/sessions")
+    _, listing = gateway.client.call("GET", f"/v1/agents/{AGENT}/sessions")
     for session in listing.get("sessions", []):
-        http_call(gateway.socket, "DELETE", f"/v1/agents/{AGENT}/sessions/{quote(session['id'], safe='')}")
+        gateway.client.call("DELETE", f"/v1/agents/{AGENT}/sessions/{quote(session['id'], safe='')}")
 
 
 def clean_env(**extra: str) -> dict:
@@ -122,7 +60,7 @@ def clean_env(**extra: str) -> dict:
 
 
 @pytest.fixture
-def jlk(gateway: Gateway):
+def jlk(gateway: GatewayProcess):
     """``jlk(*args, input=None, **env)``: run jlk on the control socket as agent alice."""
 
     def run(*args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -254,11 +192,11 @@ def test_sessions_lists_and_stops(jlk):
 
 
 def test_on_the_agent_socket_me_is_the_agent_and_others_are_out_of_reach(gateway, jlk):
-    inside = clean_env(KERNEL_GATEWAY_SOCKET=gateway.agent_socket(AGENT), JLK_SESSION="inside")
+    inside = clean_env(KERNEL_GATEWAY_SOCKET=gateway.agent_client(AGENT).socket_path, JLK_SESSION="inside")
     ran = subprocess.run([sys.executable, JLK, "execute", "--code", "import os\nprint(os.getcwd())"],
                          capture_output=True, text=True, env=inside, stdin=subprocess.DEVNULL)
     assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.strip().startswith(str(gateway.agent_root(AGENT) / "sessions"))
+    assert ran.stdout.strip().startswith(str(agent_root(gateway) / "sessions"))
 
     other = subprocess.run([sys.executable, JLK, "--agent", "bob", "sessions"],
                            capture_output=True, text=True, env=inside, stdin=subprocess.DEVNULL)
@@ -375,9 +313,9 @@ def test_help_on_every_level(jlk):
 
 
 @pytest.fixture
-def notebook(gateway: Gateway) -> Path:
+def notebook(gateway: GatewayProcess) -> Path:
     """A small notebook in alice's user-files, written fresh for each test."""
-    path = gateway.agent_root(AGENT) / NOTEBOOK
+    path = agent_root(gateway) / NOTEBOOK
     path.parent.mkdir(parents=True, exist_ok=True)
     nb = nbformat.v4.new_notebook()
     nb.cells = [
@@ -502,22 +440,17 @@ def test_run_all_stops_at_the_error_and_restart_run_all_saves_outputs(jlk, noteb
 # --- inside the agent's sandbox ----------------------------------------------------------
 
 
-def sandboxed_command(gateway: Gateway, command: str) -> dict:
+def sandboxed_command(gateway: GatewayProcess, command: str) -> dict:
     """Run ``command`` through the gateway's command tool: bwrap, the agent's tree, its socket."""
-    conn = UnixHTTPConnection(gateway.socket)
-    try:
-        conn.request("POST", f"/v1/agents/{AGENT}/commands", body=json.dumps({"command": command}))
-        response = conn.getresponse()
-        assert response.status == 200
-        return json.loads(response.read())
-    finally:
-        conn.close()
+    status, result = gateway.client.call("POST", f"/v1/agents/{AGENT}/commands", {"command": command})
+    assert status == 200, result
+    return result
 
 
 def test_jlk_in_a_sandboxed_command_reaches_only_its_own_agent(gateway):
     # The skill's script as an agent would have it in its own tree (jlk on PATH is the same file).
-    (gateway.agent_root(AGENT) / "user-files").mkdir(exist_ok=True)
-    script = gateway.agent_root(AGENT) / "user-files" / "jlk"
+    (agent_root(gateway) / "user-files").mkdir(exist_ok=True)
+    script = agent_root(gateway) / "user-files" / "jlk"
     script.write_bytes(Path(JLK).read_bytes())
 
     ran = sandboxed_command(gateway, "python3 user-files/jlk --session boxed execute --code 'print(6 * 7)'")
@@ -532,7 +465,7 @@ def test_jlk_in_a_sandboxed_command_reaches_only_its_own_agent(gateway):
 
 
 def test_jlk_from_a_kernel_cell_runs_in_another_session(jlk, gateway):
-    script = gateway.agent_root(AGENT) / "user-files" / "jlk"
+    script = agent_root(gateway) / "user-files" / "jlk"
     script.parent.mkdir(exist_ok=True)
     script.write_bytes(Path(JLK).read_bytes())
     # The kernel has KERNEL_GATEWAY_SOCKET and JLK_SESSION; calling its own session would wait for itself.
