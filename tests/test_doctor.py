@@ -39,12 +39,16 @@ def doctor_cli(*args: str, outer: list[str] | None = None) -> subprocess.Complet
     )
 
 
+# The checkout may itself live under /tmp (a CI clone): bind it back over the tmpfs.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def outer_bwrap(*options: str) -> list[str]:
     """A plain outer sandbox that still sees the repository and this Python environment."""
     return [
         "bwrap", "--unshare-user", "--unshare-pid", *options,
         "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-        "--tmpfs", "/tmp", "--ro-bind", sys.prefix, sys.prefix,
+        "--tmpfs", "/tmp", "--ro-bind", sys.prefix, sys.prefix, "--ro-bind", REPO, REPO,
         "--cap-drop", "ALL", "--",
     ]  # fmt: skip
 
