@@ -155,6 +155,22 @@ class CellRun:
         }
 
 
+def bare_result(status: str, text: str, **extra: Any) -> dict:
+    """A result for a cell that produced no output of its own (died, never ran)."""
+    return {
+        "status": status,
+        "execution_count": None,
+        "outputs": [],
+        "text": text,
+        "error": None,
+        "artifacts": [],
+        "truncated": False,
+        "spill_paths": [],
+        "duration_ms": None,
+        **extra,
+    }
+
+
 def short_error(error: dict) -> str:
     """``Type: message`` and the last frames of the traceback, for an agent to read."""
     # IPython's first lines are a rule and a "Traceback (most recent call last)" banner.

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from . import audit, workspace
 from .errors import GatewayError, bad_request, not_found
-from .execution import KernelDied, OutputCallback, run_cell
+from .execution import KernelDied, OutputCallback, bare_result, run_cell
 from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
 from .provisioner import python_env_paths
 from .sandbox import cgroups
@@ -254,14 +254,15 @@ class SessionManager:
             self._check_caps(agent)
             session = Session(agent=agent, id=session_id, cwd=workspace.session_dir(self.settings.root, agent, session_id))
             self.sessions[key] = session
-        async with session.lock:
-            if session.kernel is None:
-                try:
-                    await self._start_kernel(session, check_caps=not created)
-                except BaseException:
-                    if created:
-                        self.sessions.pop(key, None)
-                    raise
+        if session.kernel is None:  # a live session is returned at once, even while busy
+            async with session.lock:
+                if session.kernel is None:
+                    try:
+                        await self._start_kernel(session, check_caps=not created)
+                    except BaseException:
+                        if created:
+                            self.sessions.pop(key, None)
+                        raise
         return session, created
 
     async def _start_kernel(self, session: Session, check_caps: bool = True) -> None:
@@ -344,8 +345,19 @@ class SessionManager:
         known = self.sessions.get((agent, session_id))
         # A lost or dead session gets a fresh kernel below or in get_or_create: say so.
         notice = known.notice if known is not None and known.kernel is None else None
+        deadline = None if timeout is None else time.monotonic() + timeout
         session, _ = await self.get_or_create(agent, session_id)
-        async with session.lock:
+        # The timeout counts from arrival: time spent queued behind another
+        # execution of this session is part of it.
+        try:
+            await asyncio.wait_for(session.lock.acquire(), None if deadline is None else deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            return bare_result(
+                "timeout",
+                f"The session {session_id!r} was busy with another execution for the whole timeout "
+                f"({timeout:g} s); this code did not run.\n",
+            )
+        try:
             if session.kernel is None:
                 # Died or lost since: a fresh kernel, and the result says so.
                 notice = session.notice
@@ -361,27 +373,16 @@ class SessionManager:
                     is_alive=kernel.is_alive,
                     interrupt=kernel.interrupt,
                     exit_status=kernel.exit_status,
-                    timeout=timeout,
+                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                     limit=self.settings.output_limit,
                     inline_images=inline_images,
                     on_output=on_output,
                 )
             except KernelDied as died:
                 await self._bury(session, died)
-                return {
-                    "status": "died",
-                    "execution_count": None,
-                    "outputs": [],
-                    "text": died.sentence() + "\n",
-                    "error": None,
-                    "artifacts": [],
-                    "truncated": False,
-                    "spill_paths": [],
-                    "duration_ms": None,
-                    "exit_code": died.exit_code,
-                    "signal": died.signal,
-                    "notice": died.sentence(),
-                }
+                return bare_result(
+                    "died", died.sentence() + "\n", exit_code=died.exit_code, signal=died.signal, notice=died.sentence()
+                )
             finally:
                 if session.state == "busy":
                     session.state = "idle"
@@ -392,6 +393,8 @@ class SessionManager:
                 result["notice"] = notice
                 session.notice = None
             return result
+        finally:
+            session.lock.release()
 
     async def _bury(self, session: Session, died: KernelDied) -> None:
         session.state = "dead"

@@ -87,6 +87,24 @@ def test_timeout_interrupts_and_session_survives(gw):
     assert run(gw, "kept", session="slow")["text"] == "'yes'\n"
 
 
+def test_time_queued_behind_a_busy_cell_counts_against_the_timeout(gw):
+    flag = os.path.join(gw.root, "alice", "user-files", "release-queue")
+    first = {}
+    thread = threading.Thread(
+        target=lambda: first.update(
+            body=run(gw, f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.05)", session="queue")
+        )
+    )
+    thread.start()
+    assert wait_until(lambda: gw.client.call("GET", "/v1/agents/alice/sessions/queue")[1].get("state") == "busy")
+    queued = run(gw, "ran = True", session="queue", timeout=1)
+    assert queued["status"] == "timeout" and "did not run" in queued["text"]
+    open(flag, "w").close()
+    thread.join(60)
+    assert first["body"]["status"] == "ok"
+    assert run(gw, "'ran' in dir()", session="queue")["text"] == "False\n"
+
+
 def test_interrupt_route_stops_a_busy_cell(gw):
     results = {}
 
