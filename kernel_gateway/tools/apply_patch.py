@@ -97,11 +97,11 @@ class Hunk:
 
 
 def _lines(text: str) -> list[str]:
-    """Rust's str::lines(): split on LF, drop one CR before it, no final empty line."""
+    """Split on LF with every trailing CR dropped, and no final empty line."""
     parts = text.split("\n")
     if parts[-1] == "":
         parts.pop()
-    return [p[:-1] if p.endswith("\r") else p for p in parts]
+    return [p.rstrip("\r") for p in parts]
 
 
 def _hunk_error(line_number: int, message: str) -> PatchError:
@@ -335,9 +335,10 @@ def _apply_chunks(original: str, chunks: list[Chunk], shown: str) -> str:
 
 
 def _normalise(cwd: str, path: str) -> str:
-    """cwd joined with path, `.` and `..` folded lexically (as the reference does)."""
+    """cwd joined with path, `.` and `..` folded lexically, tabs and CRs
+    dropped (as the reference does; its summary still shows them)."""
     parts: list[str] = []
-    for part in os.path.join(cwd, path).split("/"):
+    for part in os.path.join(cwd, path.replace("\t", "").replace("\r", "")).split("/"):
         if part == "..":
             parts = parts[:-1]
         elif part not in ("", "."):

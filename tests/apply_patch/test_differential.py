@@ -84,9 +84,10 @@ def _hunk(rng, tree):
         return [f"*** Add File: {rng.choice(NAMES)}"] + ["+" + rng.choice(WORDS) for _ in range(rng.randint(0, 3))]
     if kind < 0.3:
         return [f"*** Delete File: {path}"]
-    head = [f"*** Update File: {path}"]
+    shown = rng.choice([path] * 8 + ["./" + path, "dir/../" + path])
+    head = [f"*** Update File: {shown}"]
     if rng.random() < 0.15:
-        head.append(f"*** Move to: {rng.choice(NAMES)}")
+        head.append(f"*** Move to: {rng.choice(NAMES)}" + rng.choice(["", " ", "\t"]))
     lines = _content_lines(tree.get(path))
     return head + _update_body(rng, lines)
 
@@ -111,6 +112,8 @@ MUTATIONS = [
     lambda rng, ls: _mutate_line(rng, ls, lambda s: s + "zz"),
     lambda rng, ls: _mutate_line(rng, ls, lambda s: s.replace("@@", "@@ ")),
     lambda rng, ls: ls.insert(len(ls) - 1, "*** Delete File: nope.txt"),
+    lambda rng, ls: ls.insert(rng.randint(1, len(ls) - 1), rng.choice(["*** Move to: g", "*** End of File  ", "@@ \t"])),
+    lambda rng, ls: _mutate_line(rng, ls, lambda s: s + "\r"),
 ]
 
 
