@@ -128,14 +128,16 @@ def cut_marker(cut_bytes: int, path: str | None) -> str:
     return f"\n[... {cut_bytes} bytes cut: {where} ...]\n"
 
 
+def output_dir() -> str:
+    """Looked up per cell: a spare kernel moves into its session after the extension loaded."""
+    return os.path.abspath(os.environ.get("KERNEL_GATEWAY_OUTPUT_DIR") or "outputs")
+
+
 class OutputFiles:
     """Names and creates the spill and artifact files of the running cell."""
 
-    def __init__(self, directory: str | None):
-        # None: <cwd>/outputs, looked up per cell, since a spare kernel is
-        # moved into its session's directory after the extension loaded.
-        self.fixed_directory = directory
-        self.directory = directory or os.path.abspath("outputs")
+    def __init__(self) -> None:
+        self.directory = output_dir()
         self.execution_count = 0
         self.next_index = 1
         self._lock = threading.Lock()
@@ -147,7 +149,7 @@ class OutputFiles:
         with self._lock:
             self.execution_count = execution_count
             self.next_index = 1
-            self.directory = self.fixed_directory or os.path.abspath("outputs")
+            self.directory = output_dir()
 
     def create_stream_file(self, stream_name: str) -> tuple[str, BinaryIO]:
         stem = f"cell-{self.execution_count}-{stream_name}"
@@ -427,9 +429,9 @@ class OutputBounds:
     hooks out from inside a cell cannot be done cleanly.
     """
 
-    def __init__(self, shell: Any, limit: int, directory: str | None):
+    def __init__(self, shell: Any, limit: int):
         self.shell = shell
-        self.files = OutputFiles(directory)
+        self.files = OutputFiles()
         self.display_pub = shell.display_pub
         self.displayhook = shell.displayhook
         self.original_publish = self.display_pub.publish
@@ -518,10 +520,8 @@ def load_ipython_extension(ip: Any) -> None:
     """Install the bounds; load at kernel start (IPKernelApp.extensions), once."""
     if getattr(ip, "_kernel_gateway_output_bounds", None) is not None:
         return
-    fixed = os.environ.get("KERNEL_GATEWAY_OUTPUT_DIR")
-    directory = os.path.abspath(fixed) if fixed else None
     try:
-        bounds = OutputBounds(ip, output_limit(os.environ), directory)
+        bounds = OutputBounds(ip, output_limit(os.environ))
         bounds.install()
     except Exception:
         _report_failure("loading the extension")

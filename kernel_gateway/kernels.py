@@ -67,7 +67,15 @@ class Kernel:
 
     @classmethod
     async def start(
-        cls, options: KernelOptions, *, agent: str, agent_root: str, cwd: str, agent_socket: str, session: str = ""
+        cls,
+        options: KernelOptions,
+        *,
+        agent: str,
+        agent_root: str,
+        cwd: str,
+        session_dir: str,
+        agent_socket: str,
+        session: str = "",
     ) -> "Kernel":
         config = Config()
         config.SandboxedKernelProvisioner.profile = options.profile
@@ -85,6 +93,8 @@ class Kernel:
             "KERNEL_GATEWAY_AGENT": agent,
             "KERNEL_GATEWAY_SOCKET": AGENT_SOCKET_INSIDE,
             "KERNEL_GATEWAY_OUTPUT_LIMIT": str(options.output_limit),
+            "KERNEL_GATEWAY_OUTPUT_DIR": os.path.join(session_dir, "outputs"),
+            "HOME": session_dir,
             "JLK_SESSION": session,
         }
         km = AsyncKernelManager(
@@ -110,12 +120,14 @@ class Kernel:
             raise
         return cls(km, kc, log)
 
-    async def adopt(self, cwd: str, session: str) -> None:
-        """Move a spare kernel into a session: chdir, HOME and $JLK_SESSION, no names left."""
-        code = (
-            "(lambda os: (os.chdir({cwd!r}), os.environ.update(HOME={cwd!r}, JLK_SESSION={session!r})))"
-            "(__import__('os'))"
-        ).format(cwd=cwd, session=session)
+    async def adopt(self, cwd: str, session_dir: str, session: str) -> None:
+        """Move a spare kernel into a session: its cwd and environment, no names left behind."""
+        env = {
+            "HOME": session_dir,
+            "JLK_SESSION": session,
+            "KERNEL_GATEWAY_OUTPUT_DIR": os.path.join(session_dir, "outputs"),
+        }
+        code = f"(lambda os: (os.chdir({cwd!r}), os.environ.update({env!r})))(__import__('os'))"
         msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
         while True:
             reply = await self.kc.get_shell_msg(timeout=10)

@@ -38,7 +38,8 @@ LIVE_STATES = ("starting", "idle", "busy")
 class Session:
     agent: str
     id: str
-    cwd: str
+    directory: str  # sessions/<base64url id>/: HOME, spilled outputs and artifacts
+    cwd: str = ""  # the kernel's working directory; the session directory unless set
     kernel_name: str = KERNEL_NAME
     state: str = "starting"
     created: float = field(default_factory=time.time)
@@ -54,7 +55,8 @@ class Session:
             "agent": self.agent,
             "state": self.state,
             "kernel": self.kernel_name,
-            "cwd": self.cwd,
+            "cwd": self.cwd or self.directory,
+            "directory": self.directory,
             "execution_count": self.execution_count,
             "created": self.created,
             "last_activity": self.last_activity,
@@ -114,6 +116,7 @@ class SessionManager:
                 session = Session(
                     agent=item["agent"],
                     id=item["id"],
+                    directory=workspace.session_dir(self.settings.root, item["agent"], item["id"]),
                     cwd=item["cwd"],
                     state="lost",
                     created=item.get("created", time.time()),
@@ -241,7 +244,10 @@ class SessionManager:
                 "try again later",
             )
 
-    async def get_or_create(self, agent: str, session_id: str, kernel: str | None = None) -> tuple[Session, bool]:
+    async def get_or_create(
+        self, agent: str, session_id: str, kernel: str | None = None, cwd: str | None = None
+    ) -> tuple[Session, bool]:
+        """The session, started if needed.  ``cwd`` (inside the agent's tree) applies to a new one."""
         self.require_agent(agent)
         workspace.check_session_id(session_id)
         if kernel is not None and kernel != KERNEL_NAME:
@@ -252,7 +258,8 @@ class SessionManager:
         if created:
             # Check the caps and take the slot with no await in between.
             self._check_caps(agent)
-            session = Session(agent=agent, id=session_id, cwd=workspace.session_dir(self.settings.root, agent, session_id))
+            directory = workspace.session_dir(self.settings.root, agent, session_id)
+            session = Session(agent=agent, id=session_id, directory=directory, cwd=cwd or directory)
             self.sessions[key] = session
         if session.kernel is None:  # a live session is returned at once, even while busy
             async with session.lock:
@@ -271,8 +278,8 @@ class SessionManager:
             self._check_caps(session.agent)
         previous, session.state = session.state, "starting"
         try:
-            os.makedirs(session.cwd, exist_ok=True)
-            session.kernel = await self._kernel_for(session.agent, session.cwd, session.id)
+            os.makedirs(session.directory, exist_ok=True)
+            session.kernel = await self._kernel_for(session)
         except BaseException as e:
             session.state = previous
             if isinstance(e, GatewayError):
@@ -285,13 +292,14 @@ class SessionManager:
         self.save_registry()
         self._replenish_spare(session.agent)
 
-    async def _kernel_for(self, agent: str, cwd: str, session_id: str) -> Kernel:
+    async def _kernel_for(self, session: Session) -> Kernel:
         """A spare kernel when one is ready (fast), else a fresh one."""
+        agent = session.agent
         spare = self.spares.pop(agent, None)
         if spare is not None:
             try:
                 if await spare.is_alive():
-                    await spare.adopt(cwd, session_id)
+                    await spare.adopt(session.cwd, session.directory, session.id)
                     return spare
             except Exception:
                 pass
@@ -300,9 +308,10 @@ class SessionManager:
             self._options(agent),
             agent=agent,
             agent_root=self.agent_root(agent),
-            cwd=cwd,
+            cwd=session.cwd,
+            session_dir=session.directory,
             agent_socket=self.agent_socket(agent),
-            session=session_id,
+            session=session.id,
         )
 
     def _replenish_spare(self, agent: str) -> None:
@@ -318,6 +327,7 @@ class SessionManager:
                     agent=agent,
                     agent_root=self.agent_root(agent),
                     cwd=self.agent_root(agent),
+                    session_dir=self.agent_root(agent),
                     agent_socket=self.agent_socket(agent),
                 )
                 if agent in self.agents and agent not in self.spares:

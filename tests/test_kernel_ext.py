@@ -265,7 +265,10 @@ def test_a_spill_file_that_cannot_grow_is_dropped_not_promised(kernel: Kernel, s
     )
 
     assert cell.reply["status"] == "ok"
-    text = cell.stream()
+    # IPython's history thread may hit the lowered limit too and say so on stdout; that is not ours.
+    text = "".join(
+        line for line in cell.stream().splitlines(keepends=True) if not line.startswith("The history saving thread")
+    )
     assert text == "f" * (LIMIT // 2) + f"\n[... {1_000_001 - LIMIT} bytes cut: full output could not be saved ...]\n" + "f" * (LIMIT // 2 - 1) + "\n"
     assert cell.announcements()[0]["path"] is None
     assert not (session_dir / "outputs" / f"cell-{cell.count}-stdout.txt").exists()

@@ -168,4 +168,13 @@ def test_notebook_cell_execute_saves_outputs(gw):
     streams = [o for o in saved["outputs"] if o["output_type"] == "stream"]
     assert "".join(streams[0]["text"]) == "saved\n"
     session = urllib.parse.quote("notebook:user-files/run.ipynb", safe="")
-    assert gw.client.call("GET", f"/v1/agents/alice/sessions/{session}")[0] == 200
+    status, info = gw.client.call("GET", f"/v1/agents/alice/sessions/{session}")
+    assert status == 200
+    # The notebook's own session works in the notebook's folder, as in Jupyter;
+    # its spilled outputs and artifacts still go to the session directory.
+    assert info["cwd"] == os.path.join(gw.root, "alice", "user-files")
+    assert info["directory"].startswith(os.path.join(gw.root, "alice", "sessions") + "/")
+    cwd_cell = gw.client.call("POST", path + "/cells", {"index": 1, "source": "import os\nprint(os.getcwd())\nprint('z' * 100_000)"})[1]["id"]
+    body = gw.client.call("POST", f"{path}/cells/{cwd_cell}/execute", {})[1]
+    assert body["text"].startswith(info["cwd"] + "\n")
+    assert body["spill_paths"][0].startswith(os.path.join(info["directory"], "outputs") + "/")

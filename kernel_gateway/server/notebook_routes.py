@@ -8,6 +8,7 @@ from typing import Any
 from .. import notebook_runs, variables
 from ..errors import bad_request
 from ..notebooks import NotebookStore
+from ..tools import workspace_paths
 from .base import BaseHandler
 from .session_routes import StreamingHandler
 
@@ -87,6 +88,15 @@ def notebook_session(path: str) -> str:
 class RunBase(StreamingHandler, NotebookBase):
     tool = "notebook_run"
 
+    async def notebook_session(self, agent: str, path: str, session: str | None) -> str:
+        """The session to run in; the notebook's own one starts in the notebook's folder, as in Jupyter."""
+        if session:
+            return self.session_arg(session)
+        session = self.session_arg(notebook_session(path))
+        folder = workspace_paths.resolve_in_root(self.core.sessions.agent_root(agent), path).parent
+        await self.core.sessions.get_or_create(agent, session, cwd=str(folder))
+        return session
+
     def executor(self, agent: str, session: str) -> Any:
         async def execute(code: str, timeout: float | None) -> dict:
             # Images inline, so the outputs saved into the notebook show in JupyterLab.
@@ -100,7 +110,8 @@ class ExecuteCellHandler(RunBase):
         store = self.store(agent)
         body = self.json_body({"session": str, "code": str, "timeout": (int, float, type(None)), "save_outputs": bool})
         timeout = self.check_timeout(body)
-        session = self.session_arg(body.get("session") or notebook_session(path))
+        store.contents(path)  # a missing or broken notebook fails before any kernel starts
+        session = await self.notebook_session(self._agent, path, body.get("session"))
         result = await notebook_runs.run_cell(
             store,
             path,
@@ -121,8 +132,8 @@ class RunAllHandler(RunBase):
         )
         timeout = self.check_timeout(body)
         agent = self._agent
-        session = self.session_arg(body.get("session") or notebook_session(path))
         store.contents(path)  # a missing or broken notebook fails before any kernel starts
+        session = await self.notebook_session(agent, path, body.get("session"))
 
         async def restart() -> None:
             await self.core.sessions.get_or_create(agent, session)
