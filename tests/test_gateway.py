@@ -373,3 +373,29 @@ def test_control_socket_permissions(gw):
     s = socket.socket(socket.AF_UNIX)
     s.connect(gw.socket)
     s.close()
+
+
+def test_per_agent_profile_override_turns_the_network_on_for_one_agent(tmp_path):
+    with open(os.path.join(os.path.dirname(__file__), "..", "kernel_gateway", "sandbox", "profiles", "kernel.json")) as f:
+        profile = json.load(f)
+    profile["sandbox"]["network"] = True
+    override = tmp_path / "net-kernel.json"
+    override.write_text(json.dumps(profile))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    gw = GatewayProcess(tmp_path, f'--Gateway.agent_profiles={{"online": {{"kernel": "{override}"}}}}').start()
+    try:
+        code = (
+            "import socket\ns = socket.socket(); s.settimeout(5)\n"
+            f"try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
+            "except OSError as e:\n    print('refused', type(e).__name__)"
+        )
+        for agent in ("online", "offline"):
+            gw.client.call("PUT", f"/v1/agents/{agent}")
+        assert gw.client.execute("online", "s", code)[1]["text"] == "connected\n"
+        assert gw.client.execute("offline", "s", code)[1]["text"].startswith("refused")
+    finally:
+        gw.stop()
+        listener.close()
