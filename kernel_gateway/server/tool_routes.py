@@ -13,6 +13,21 @@ from .session_routes import StreamingHandler
 from .base import BaseHandler, check_fields
 
 
+async def run_in_command_sandbox(core: Any, agent: str, request: dict, on_event: Any = None) -> dict:
+    """One command in a fresh sandbox from the agent's ``command`` profile."""
+    sessions = core.sessions
+    return await run_command(
+        request,
+        agent_root=sessions.agent_root(agent),
+        profile=sessions.profile(agent, "command"),
+        values=sessions.sandbox_values(agent),
+        spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
+        on_event=on_event,
+        output_limit=core.settings.output_limit,
+        bwrap=core.settings.bwrap or None,
+    )
+
+
 class CommandHandler(StreamingHandler):
     tool = "command"
 
@@ -21,22 +36,9 @@ class CommandHandler(StreamingHandler):
         self.core.sessions.require_agent(agent)
         body = self.json_body({k: object for k in ("command", "argv", "cwd", "timeout", "env", "stdin", "stream")})
         stream = body.get("stream") is True or "application/x-ndjson" in self.request.headers.get("Accept", "")
-        sessions = self.core.sessions
 
         async def work(on_output: Any) -> dict:
-            async def on_event(event: dict) -> None:
-                await on_output(event)
-
-            return await run_command(
-                body,
-                agent_root=sessions.agent_root(agent),
-                profile=sessions.profile(agent, "command"),
-                values=sessions.sandbox_values(agent),
-                spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
-                on_event=on_event if on_output else None,
-                output_limit=self.core.settings.output_limit,
-                bwrap=self.core.settings.bwrap or None,
-            )
+            return await run_in_command_sandbox(self.core, agent, body, on_output)
 
         await self.run(work, stream)
 
@@ -111,16 +113,7 @@ class PatchHandler(BaseHandler):
 
     async def _external(self, agent: str, command: str, patch: str, cwd: str) -> dict:
         """The operator's own apply_patch binary, in the command sandbox over the workspace."""
-        sessions = self.core.sessions
-        ran = await run_command(
-            {"argv": [command, patch], "cwd": cwd},
-            agent_root=sessions.agent_root(agent),
-            profile=sessions.profile(agent, "command"),
-            values=sessions.sandbox_values(agent),
-            spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
-            output_limit=self.core.settings.output_limit,
-            bwrap=self.core.settings.bwrap or None,
-        )
+        ran = await run_in_command_sandbox(self.core, agent, {"argv": [command, patch], "cwd": cwd})
         return {
             "ok": ran["exit_code"] == 0,
             "output": ran["stdout"] + ran["stderr"],
