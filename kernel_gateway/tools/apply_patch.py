@@ -18,6 +18,13 @@ With ``root`` set, every path the patch touches is checked first (see
 ``workspace_paths``) and the patch is refused, unchanged, if any would leave
 ``root``; the files are then read and written through fds opened beneath
 ``root``.  That refusal text is ours: the reference has no confinement.
+
+Reference behaviour worth knowing: context lines keep the file's own text
+(only ``-``/``+`` runs are edited); pure additions go to the end of the file;
+an ``*** End of File`` chunk must match exactly at the end; a moved file is
+written, then its source removed (so moving onto itself deletes it); every
+line of an updated file ends with a newline, in the style (LF or CRLF) of the
+file's first line break; tabs and CRs inside a path are dropped.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ _MUSL_STRERROR = {40: "Symbolic link loop", 36: "Filename too long"}
 
 @dataclass
 class PatchResult:
+    """`output` is the reference's text; the lists name files as the patch does
+    (on failure: what was applied before the failing hunk, which stays on disk)."""
+
     ok: bool
     output: str
     added: list[str] = field(default_factory=list)
