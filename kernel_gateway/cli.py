@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from traitlets import Unicode
+from traitlets import TraitError, Unicode
 from traitlets.config import Application
 
 from . import __version__
@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     if command == "serve":
-        ServeApp.launch_instance(rest)
+        try:
+            ServeApp.launch_instance(rest)
+        except TraitError as e:
+            print(f"kernel-gateway serve: bad option: {e}", file=sys.stderr)
+            return 2
         return 0
     if command == "doctor":
         from .doctor import main as doctor_main

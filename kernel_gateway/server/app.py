@@ -22,6 +22,7 @@ from tornado import httpserver, netutil, web
 from .. import __version__
 from ..sandbox import cgroups
 from ..sandbox.launch import SandboxUnavailable, find_bwrap
+from ..sandbox.profile import ProfileError, load_profile
 from ..sessions import SessionManager
 from ..settings import Gateway
 from . import notebook_routes, session_routes, tool_routes
@@ -98,9 +99,26 @@ class GatewayServer:
         if agent not in self.servers:
             self._listen(self.core.sessions.agent_socket(agent), agent)
 
+    def _check_profiles(self) -> None:
+        """Every profile the settings name loads, or the gateway does not start."""
+        s = self.settings
+        named = [(f"--Gateway.{kind}_profile", getattr(s, f"{kind}_profile")) for kind in ("kernel", "command")]
+        for agent, kinds in s.agent_profiles.items():
+            if not isinstance(kinds, dict) or set(kinds) - {"kernel", "command"}:
+                raise SystemExit(
+                    f"kernel-gateway: agent_profiles[{agent!r}] must map 'kernel' and/or 'command' to a profile"
+                )
+            named += [(f"agent_profiles[{agent!r}][{kind!r}]", path) for kind, path in kinds.items()]
+        for where, name in named:
+            try:
+                load_profile(name)
+            except ProfileError as e:
+                raise SystemExit(f"kernel-gateway: {where}: {e}") from None
+
     async def start(self) -> None:
         s = self.settings
         bwrap = find_bwrap(s.bwrap or None)
+        self._check_profiles()
         self._prepare_dirs()
         sessions = SessionManager(s, on_agent=lambda agent: None)
         self.core = Core(settings=s, sessions=sessions)
