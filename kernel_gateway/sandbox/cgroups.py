@@ -121,7 +121,7 @@ class SandboxCgroup:
                     self.dirs.remove(d)
                 except OSError:
                     pass
-            if not self.dirs or time.monotonic() > deadline:
+            if not self.dirs or time.monotonic() >= deadline:
                 return
             time.sleep(0.02)
 

@@ -102,12 +102,20 @@ class PreparedSandbox:
             os.close(fd)
         self.data_fds = []
 
-    def cleanup(self) -> None:
-        """Call once the sandbox has ended: kills stragglers and removes the cgroup."""
+    def cleanup(self, timeout: float = 2.0) -> bool:
+        """Call once the sandbox has ended: kills stragglers and removes the cgroup.
+
+        Returns whether everything is gone; with ``timeout=0`` it makes one
+        quick pass, which is all it takes once bwrap has exited (its pid
+        namespace ends with it), so callers can skip a worker thread.
+        """
         self.spawned()
         if self.cgroup is not None:
-            self.cgroup.remove()
+            self.cgroup.remove(timeout)
+            if self.cgroup.dirs:
+                return False
             self.cgroup = None
+        return True
 
 
 def prepare(

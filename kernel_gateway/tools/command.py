@@ -349,8 +349,9 @@ async def run_command(
                 pass
             await process.wait()
         duration_ms = round((time.monotonic() - started) * 1000, 1)
-        # Kills whatever is left in the cgroup and waits for it to go: off the loop.
-        await asyncio.to_thread(prepared.cleanup)
+        # Kills whatever is left in the cgroup; only waiting for stragglers goes off the loop.
+        if not prepared.cleanup(timeout=0):
+            await asyncio.to_thread(prepared.cleanup)
         out.close()
         err.close()
 
