@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -105,6 +106,26 @@ def test_time_queued_behind_a_busy_cell_counts_against_the_timeout(gw):
     assert run(gw, "'ran' in dir()", session="queue")["text"] == "False\n"
 
 
+def test_executions_in_one_session_run_one_at_a_time_in_arrival_order(gw):
+    flag = os.path.join(gw.root, "alice", "user-files", "release-order")
+    run(gw, "order = []", session="fifo")
+    gate = threading.Thread(
+        target=run, args=(gw, f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.05)"),
+        kwargs={"session": "fifo"},
+    )
+    gate.start()
+    assert wait_until(lambda: gw.client.call("GET", "/v1/agents/alice/sessions/fifo")[1].get("state") == "busy")
+    threads = []
+    for n in range(1, 5):
+        threads.append(threading.Thread(target=run, args=(gw, f"order.append({n})"), kwargs={"session": "fifo"}))
+        threads[-1].start()
+        time.sleep(0.3)  # not a timing assertion: only makes the arrival order unambiguous
+    open(flag, "w").close()
+    for t in [gate, *threads]:
+        t.join(60)
+    assert run(gw, "order", session="fifo")["text"] == "[1, 2, 3, 4]\n"
+
+
 def test_interrupt_route_stops_a_busy_cell(gw):
     results = {}
 
@@ -119,6 +140,23 @@ def test_interrupt_route_stops_a_busy_cell(gw):
     thread.join(60)
     assert results["body"]["status"] == "error"
     assert results["body"]["error"]["ename"] == "KeyboardInterrupt"
+
+
+def test_a_client_that_disconnects_gets_its_cell_interrupted(gw):
+    code = "import time\nfor _ in range(600): time.sleep(0.1)\nfinished = True"
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(gw.socket)
+    body = json.dumps({"code": code}).encode()
+    conn.sendall(
+        b"POST /v1/agents/alice/sessions/leaver/execute HTTP/1.1\r\nHost: gw\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    session = lambda: gw.client.call("GET", "/v1/agents/alice/sessions/leaver")  # noqa: E731
+    assert wait_until(lambda: session()[0] == 200 and session()[1]["state"] == "busy")
+    conn.close()
+    # Interrupted: idle again long before the 60 s the cell would take, and it never finished.
+    assert wait_until(lambda: session()[1]["state"] == "idle", timeout=20)
+    assert run(gw, "'finished' in dir()", session="leaver")["text"] == "False\n"
 
 
 def test_died_then_fresh_kernel_with_notice(gw):
