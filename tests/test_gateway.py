@@ -185,6 +185,12 @@ def test_spare_kernel_is_moved_into_its_session(gw):
     assert spill.startswith(os.path.join(session_dir, "outputs") + "/")
 
 
+def test_segfault_is_died_with_its_signal(gw):
+    body = run(gw, "import ctypes; ctypes.string_at(0)", session="segv")
+    assert body["status"] == "died" and body["signal"] == 11
+    assert run(gw, "1 + 1", session="segv")["text"] == "2\n"
+
+
 def test_restart_clears_state(gw):
     run(gw, "z = 5", session="restart")
     status, body = gw.client.call("POST", "/v1/agents/alice/sessions/restart/restart")

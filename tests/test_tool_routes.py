@@ -112,7 +112,7 @@ BAD = [
     ("POST", "/v1/agents/alice/patch", b"", 400),
     ("POST", "/v1/agents/alice/patch", b"\xff\xfe not utf-8", 400),
     ("POST", "/v1/agents/alice/patch", b"*** Begin Patch\n*** Add File: ../bob/x\n+x\n*** End Patch", 422),
-    ("POST", "/v1/agents/alice/patch", b"*" * (5 << 20), 413),
+    ("POST", "/v1/agents/alice/patch", b"*" * (10 << 20), 413),
     ("PUT", "/v1/agents/alice/notebooks/user-files/n.ipynb", b"{broken", 400),
     ("PUT", "/v1/agents/alice/notebooks/../bob/n.ipynb", NOTEBOOK, 403),
     ("GET", "/v1/agents/alice/notebooks/user-files/none.ipynb", None, 404),
