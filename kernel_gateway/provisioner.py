@@ -19,6 +19,7 @@ sandbox, so interrupts go by message.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -38,6 +39,7 @@ PASSED_ENV_PREFIXES = ("KERNEL_GATEWAY_", "JLK_")
 PASSED_ENV_NAMES = ("JPY_SESSION_NAME",)
 
 
+@functools.lru_cache(maxsize=8)
 def python_env_paths(executable: str) -> tuple[str, str]:
     """(prefix, base prefix) of the Python environment an interpreter belongs to."""
     prefix = os.path.dirname(os.path.dirname(os.path.abspath(executable)))

@@ -13,6 +13,7 @@ from a short-lived worker thread, or the sandbox dies with that thread.
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import shutil
@@ -27,6 +28,7 @@ class SandboxUnavailable(RuntimeError):
     """bwrap is missing or cannot run; the message says how to fix it."""
 
 
+@functools.lru_cache(maxsize=8)  # on every command's path; failures are not cached
 def find_bwrap(path: str | None = None) -> str:
     """The absolute path of bwrap, or :class:`SandboxUnavailable` saying how to get it."""
     candidate = path or shutil.which("bwrap")
