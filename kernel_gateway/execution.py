@@ -302,14 +302,3 @@ async def _shell_reply(kc: Any, msg_id: str, timeout: float) -> dict | None:
         if reply.get("parent_header", {}).get("msg_id") == msg_id:
             return reply
     return None
-
-
-def exit_status_of(returncode: int | None) -> tuple[int | None, int | None]:
-    """(exit code, signal) from a Popen returncode; bwrap reports a signal as 128+N."""
-    if returncode is None:
-        return None, None
-    if returncode < 0:
-        return None, -returncode
-    if returncode > 128:
-        return returncode, returncode - 128
-    return returncode, None

@@ -19,8 +19,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from traitlets.config import Config
 
-from .execution import exit_status_of
 from .provisioner import kernelspec_dict
+from .sandbox.launch import exit_status
 
 KERNEL_NAME = "python3"
 AGENT_SOCKET_INSIDE = "/run/kernel-gateway.sock"
@@ -144,7 +144,7 @@ class Kernel:
 
     def exit_status(self) -> tuple[int | None, int | None]:
         process = getattr(self.km.provisioner, "process", None)
-        return exit_status_of(process.poll() if process is not None else None)
+        return exit_status(process.poll() if process is not None else None)
 
     @property
     def pid(self) -> int | None:

@@ -17,6 +17,7 @@ import functools
 import os
 import resource
 import shutil
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -39,6 +40,17 @@ def find_bwrap(path: str | None = None) -> str:
         f"bubblewrap (bwrap) not found {where}; install it with `apt-get install -y bubblewrap`"
         " (Debian/Ubuntu) or `dnf install bubblewrap`, or set the path of bwrap in the config"
     )
+
+
+def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
+    """(exit code, signal number) of a sandbox: bwrap reports a child killed by signal N as 128+N."""
+    if returncode is None:
+        return None, None
+    if returncode < 0:
+        return None, -returncode
+    if 128 < returncode <= 128 + signal.SIGRTMAX:
+        return returncode, returncode - 128
+    return returncode, None
 
 
 def _rlimits(limits: Limits, with_nproc: bool) -> list[tuple[int, int]]:

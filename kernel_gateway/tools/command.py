@@ -257,18 +257,6 @@ async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.close()
 
 
-def _exit_status(returncode: int) -> tuple[int | None, str | None]:
-    """(exit_code, signal name); bwrap reports a command killed by signal N as 128+N."""
-    if returncode < 0:
-        return None, signal.Signals(-returncode).name
-    if returncode > 128:
-        try:
-            return returncode, signal.Signals(returncode - 128).name
-        except ValueError:
-            pass
-    return returncode, None
-
-
 async def run_command(
     request: dict,
     *,
@@ -355,7 +343,8 @@ async def run_command(
         out.close()
         err.close()
 
-    exit_code, signal_name = _exit_status(process.returncode)
+    exit_code, signum = launch.exit_status(process.returncode)
+    signal_name = signal.Signals(signum).name if signum else None
     result = {
         "exit_code": exit_code,
         "signal": signal_name,
