@@ -17,13 +17,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from kernel_gateway.client import UnixHTTPConnection
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JLK = os.path.join(REPO, "skills", "jupyter-live-kernel", "scripts", "jlk")
@@ -82,22 +83,11 @@ def tree_rss_kb(pid: int) -> int:
 # --- the socket client ------------------------------------------------------------
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 300):
-        super().__init__("gateway", timeout=timeout)
-        self.socket_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socket_path)
-
-
 class Client:
     """One kept-alive HTTP/1.1 connection to the gateway's control socket."""
 
     def __init__(self, socket_path: str):
-        self.conn = UnixHTTPConnection(socket_path)
+        self.conn = UnixHTTPConnection(socket_path, timeout=300)
 
     def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()

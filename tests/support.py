@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 
+from kernel_gateway.client import UnixHTTPConnection
+
 BIN = os.path.dirname(sys.executable)
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 120):
-        super().__init__("gateway", timeout=timeout)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.path)
 
 
 class Client:
