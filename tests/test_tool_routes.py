@@ -102,6 +102,7 @@ BAD = [
     ("POST", "/v1/agents/alice/commands", {"command": "touch x", "timeout": -1}, 400),
     ("POST", "/v1/agents/alice/commands", {"command": "touch x", "env": {"A": 1}}, 400),
     ("POST", "/v1/agents/alice/commands", {"command": "touch x", "shell": True}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "stream": "yes"}, 400),
     ("GET", "/v1/agents/alice/files", None, 400),
     ("GET", "/v1/agents/alice/files?path=../bob/SOUL.md", None, 403),
     ("GET", "/v1/agents/alice/files?path=/etc/passwd", None, 403),

@@ -105,7 +105,7 @@ class StreamingHandler(BaseHandler):
     _task: asyncio.Task | None = None
 
     def wants_stream(self, body: dict) -> bool:
-        return bool(body.get("stream")) or NDJSON in self.request.headers.get("Accept", "")
+        return body.get("stream") is True or NDJSON in self.request.headers.get("Accept", "")
 
     def check_timeout(self, body: dict) -> float:
         settings = self.core.settings

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import GatewayError, bad_request
 from ..tools import apply_patch, read_file, workspace_paths
-from ..tools.command import run_command
+from ..tools.command import REQUEST_KEYS, run_command
 from .session_routes import StreamingHandler
 from .base import BaseHandler, check_fields
 
@@ -34,13 +34,13 @@ class CommandHandler(StreamingHandler):
     async def post(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.core.sessions.require_agent(agent)
-        body = self.json_body({k: object for k in ("command", "argv", "cwd", "timeout", "env", "stdin", "stream")})
-        stream = body.get("stream") is True or "application/x-ndjson" in self.request.headers.get("Accept", "")
+        # run_command checks each field's type and value; here only the JSON and the field names.
+        body = self.json_body(dict.fromkeys(REQUEST_KEYS, object))
 
         async def work(on_output: Any) -> dict:
             return await run_in_command_sandbox(self.core, agent, body, on_output)
 
-        await self.run(work, stream)
+        await self.run(work, self.wants_stream(body))
 
 
 class FileHandler(BaseHandler):
