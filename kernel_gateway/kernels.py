@@ -150,10 +150,6 @@ class Kernel:
     def pid(self) -> int | None:
         return getattr(self.km.provisioner, "pid", None)
 
-    async def restart(self) -> None:
-        await self.km.restart_kernel(now=True)
-        await self.kc.wait_for_ready(timeout=60)
-
     async def shutdown(self, now: bool = False) -> None:
         try:
             self.kc.stop_channels()

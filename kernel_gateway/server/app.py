@@ -120,7 +120,7 @@ class GatewayServer:
         bwrap = find_bwrap(s.bwrap or None)
         self._check_profiles()
         self._prepare_dirs()
-        sessions = SessionManager(s, on_agent=lambda agent: None)
+        sessions = SessionManager(s)
         self.core = Core(settings=s, sessions=sessions)
         self.core.info = {
             "version": __version__,
