@@ -93,10 +93,23 @@ def test_host_home_project_state_and_other_agents_are_absent(kernel, agents, hom
     # /root exists only as the path leading to the Python install under /root/.pyenv.
     assert base.startswith("/root/.pyenv/")
     assert kernel.value("__import__('os').listdir('/root')") == [".pyenv"]
-    hidden = [str(home_marker), "/root/.bashrc", "/work/main", "/work", str(agents["state"]), str(agents["bob"])]
+    # The checkout's own files are hidden, wherever it lives (its .venv may be
+    # bound read-only, which makes the directories leading to it exist).
+    checkout = Path(__file__).resolve().parent.parent
+    hidden = [str(home_marker), "/root/.bashrc", str(checkout / "README.md"), str(checkout / "kernel_gateway"),
+              str(checkout / "tests"), str(agents["state"]), str(agents["bob"])]
     assert all(os.path.exists(p) for p in hidden), "the host side of this test is not set up"
     seen = kernel.value(f"[p for p in {hidden!r} if __import__('os').path.exists(p)]")
     assert seen == []
+    # Every directory above the Python environment shows only the next step towards it.
+    for env in {prefix, base}:
+        parts = Path(env).parts
+        for depth in range(2, len(parts)):
+            above = str(Path(*parts[:depth]))
+            listed = set(kernel.value(f"__import__('os').listdir({above!r})"))
+            leading = {Path(p).parts[depth] for p in (prefix, base, str(agents["alice"]), kernel.runtime_dir)
+                       if len(Path(p).parts) > depth and str(Path(*Path(p).parts[:depth])) == above}
+            assert listed == leading, above
     # ...while the agent's own tree and the Python environment are there.
     visible = [str(agents["session"]), prefix, base]
     assert kernel.value(f"[p for p in {visible!r} if __import__('os').path.isdir(p)]") == visible
