@@ -304,3 +304,55 @@ def test_load_profile_refuses_invalid_json(tmp_path):
     path.write_text('{"sandbox": {')
     with pytest.raises(ProfileError, match="is not valid JSON"):
         load_profile(str(path))
+
+
+# --- mount order: a parent before anything beneath it ------------------------------------
+
+
+def test_a_read_only_path_inside_the_read_write_tree_is_mounted_after_the_tree():
+    # bwrap mounts in argv order: listed first, the read-only file would be hidden.
+    profile = with_change(
+        "sandbox",
+        "read_only",
+        ["/usr", "$$agent_root$$/SOUL.md", {"from": "/opt/skill", "at": "$$agent_root$$/installed-skills/s"}],
+    )
+    argv = compiled(validate_profile(profile)).argv
+    start = argv.index("--ro-bind-try")
+    assert argv[start : argv.index("--ro-bind-data")] == [
+        "--ro-bind-try", "/usr", "/usr",
+        "--bind", "/srv/agents/alice", "/srv/agents/alice",
+        "--ro-bind-try", "/srv/agents/alice/SOUL.md", "/srv/agents/alice/SOUL.md",
+        "--ro-bind-try", "/opt/skill", "/srv/agents/alice/installed-skills/s",
+        "--bind", "/tmp/kg-abc", "/tmp/kg-abc",
+    ]  # fmt: skip
+
+
+def test_nested_binds_follow_their_parents_at_any_depth_and_others_keep_their_places():
+    profile = with_change(
+        "sandbox",
+        "read_only",
+        ["$$agent_root$$/a/b/c", "/usr", "$$agent_root$$/a", "/srv/agents/alice-other"],
+    )
+    profile["sandbox"]["read_write"] = ["$$agent_root$$/a/b", "$$agent_root$$"]
+    argv = compiled(validate_profile(profile)).argv
+    start = argv.index("--tmpfs") + 2
+    assert argv[start : argv.index("--ro-bind-data")] == [
+        "--ro-bind-try", "/usr", "/usr",
+        # "alice-other" is not beneath "alice": a sibling keeps its place.
+        "--ro-bind-try", "/srv/agents/alice-other", "/srv/agents/alice-other",
+        "--bind", "/srv/agents/alice", "/srv/agents/alice",
+        "--ro-bind-try", "/srv/agents/alice/a", "/srv/agents/alice/a",
+        "--bind", "/srv/agents/alice/a/b", "/srv/agents/alice/a/b",
+        "--ro-bind-try", "/srv/agents/alice/a/b/c", "/srv/agents/alice/a/b/c",
+    ]  # fmt: skip
+
+
+def test_the_same_destination_twice_keeps_the_given_order():
+    profile = with_change("sandbox", "read_only", [{"from": "/x", "at": "$$agent_root$$"}])
+    profile["sandbox"]["read_write"] = ["$$agent_root$$"]
+    argv = compiled(validate_profile(profile)).argv
+    start = argv.index("--tmpfs") + 2
+    assert argv[start : argv.index("--ro-bind-data")] == [
+        "--ro-bind-try", "/x", "/srv/agents/alice",
+        "--bind", "/srv/agents/alice", "/srv/agents/alice",
+    ]  # fmt: skip

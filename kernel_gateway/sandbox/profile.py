@@ -330,6 +330,29 @@ def _mounts(entries: Sequence[Any], values: Mapping[str, str], name: str) -> lis
     return result
 
 
+def _beneath(path: str, parent: str) -> bool:
+    return path != parent and path.startswith(parent.rstrip("/") + "/")
+
+
+def parents_first(binds: Sequence[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The binds in their given order, except that each comes after every bind above it.
+
+    bwrap mounts in argv order, and a later bind hides whatever was mounted
+    beneath its destination: a read-only file inside a read-write tree must be
+    mounted after the tree, wherever the profile lists it.  Binds with no
+    parent among the others keep their places.
+    """
+    pending, ordered = list(binds), []
+    while pending:
+        # The first pending bind with no pending bind above it (there is one:
+        # the shortest destination has none).
+        for i, (_flag, _source, at) in enumerate(pending):
+            if not any(_beneath(at, other[2]) for other in pending):
+                ordered.append(pending.pop(i))
+                break
+    return ordered
+
+
 def _compile_limits(limits: Mapping[str, Any]) -> Limits:
     cpu = parse_duration(limits.get("cpu"), "limits.cpu")
     return Limits(
@@ -383,11 +406,14 @@ def compile_profile(
     if sandbox.get("tmp"):
         argv += ["--tmpfs", _fill_path(sandbox["tmp"], values, "sandbox.tmp")]
     # Read-only system paths may be absent on some hosts (/lib64): bind them if present.
-    for source, at, _optional in _mounts(sandbox.get("read_only", []), values, "read_only"):
-        argv += ["--ro-bind-try", source, at]
+    binds = [
+        ("--ro-bind-try", source, at) for source, at, _optional in _mounts(sandbox.get("read_only", []), values, "read_only")
+    ]
     for key in ("read_write", "homes"):
         for source, at, optional in _mounts(sandbox.get(key, []), values, key):
-            argv += ["--bind-try" if optional else "--bind", source, at]
+            binds.append(("--bind-try" if optional else "--bind", source, at))
+    for flag, source, at in parents_first(binds):
+        argv += [flag, source, at]
     for (at, _text), fd in zip(files, data_fds):
         argv += ["--ro-bind-data", str(fd), at]
     # bwrap's root is a tmpfs: make it read-only, so a write outside the
