@@ -55,6 +55,7 @@ class KernelOptions:
     startup_timeout: float
     runtime_root: str
     cgroup_prefix: str
+    read_only: tuple = ()  # more read-only binds (the Agent Library's), after the profile's
 
 
 class Kernel:
@@ -87,7 +88,7 @@ class Kernel:
         config.SandboxedKernelProvisioner.cgroup_prefix = options.cgroup_prefix
         config.SandboxedKernelProvisioner.read_only = [
             {"from": EXTENSION_FILE, "at": f"{EXTENSION_DIR_INSIDE}/{KERNEL_EXTENSION}.py"}
-        ]
+        ] + list(options.read_only)
         config.SandboxedKernelProvisioner.env = {
             "PYTHONPATH": EXTENSION_DIR_INSIDE,
             "KERNEL_GATEWAY_AGENT": agent,

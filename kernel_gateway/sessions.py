@@ -26,6 +26,7 @@ from . import audit, workspace
 from .errors import GatewayError, bad_request, not_found
 from .execution import KernelDied, OutputCallback, bare_result, run_cell
 from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
+from .library import Library
 from .provisioner import python_env_paths
 from .sandbox import cgroups
 from .sandbox.profile import ProfileError, load_profile
@@ -75,6 +76,7 @@ class SessionManager:
         self.spares: dict[str, Kernel] = {}
         self._spare_tasks: dict[str, asyncio.Task] = {}
         self._registry_path = os.path.join(settings.state_dir, "registry.json")
+        self.library = Library(settings.root, settings.state_dir)  # skills, documents, the kernel gate
         self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
         kernelspec_dir = write_kernelspec(settings.state_dir)
         # Names that belong to this state directory, so a restart can sweep what
@@ -91,6 +93,7 @@ class SessionManager:
             startup_timeout=settings.startup_timeout,
             runtime_root=self.runtime_root,
             cgroup_prefix=self.cgroup_prefix,
+            read_only=tuple(self.library.read_only_binds(agent)),
         )
 
     def sweep_leftovers(self) -> None:
@@ -177,6 +180,7 @@ class SessionManager:
         """Create the agent's tree and socket if needed; True if the agent is new."""
         workspace.check_agent_key(agent)
         created = workspace.create_agent_tree(self.settings.root, agent)
+        self.library.ensure_agent(agent)
         if agent not in self.agents:
             self.agents.add(agent)
             self.on_agent(agent)
@@ -249,6 +253,7 @@ class SessionManager:
     ) -> tuple[Session, bool]:
         """The session, started if needed.  ``cwd`` (inside the agent's tree) applies to a new one."""
         self.require_agent(agent)
+        self.library.require_kernel(agent)
         workspace.check_session_id(session_id)
         if kernel is not None and kernel != KERNEL_NAME:
             raise bad_request(f"unknown kernel {kernel!r}", f"available: {KERNEL_NAME}", code="unknown_kernel")
@@ -317,6 +322,8 @@ class SessionManager:
     def _replenish_spare(self, agent: str) -> None:
         if not self.settings.spare_kernels or agent in self.spares or agent in self._spare_tasks:
             return
+        if not self.library.kernel_enabled(agent):
+            return
         if len(self.spares) + len(self._spare_tasks) >= self.settings.max_spare_kernels:
             return
 
@@ -330,7 +337,7 @@ class SessionManager:
                     session_dir=self.agent_root(agent),
                     agent_socket=self.agent_socket(agent),
                 )
-                if agent in self.agents and agent not in self.spares:
+                if agent in self.agents and agent not in self.spares and self.library.kernel_enabled(agent):
                     self.spares[agent] = kernel
                 else:
                     await kernel.shutdown(now=True)
@@ -416,6 +423,7 @@ class SessionManager:
     async def inspect(self, agent: str, session_id: str, probe: Callable[[Any], Any]) -> dict:
         """Run ``probe(kernel_client)`` between executions of a live session."""
         session = self.get(agent, session_id)
+        self.library.require_kernel(agent)
         async with session.lock:
             if session.kernel is None:
                 raise GatewayError(
@@ -427,6 +435,7 @@ class SessionManager:
 
     async def interrupt(self, agent: str, session_id: str) -> dict:
         session = self.get(agent, session_id)
+        self.library.require_kernel(agent)
         if session.kernel is None or session.state not in LIVE_STATES:
             raise GatewayError(409, "no_kernel", f"session {session_id!r} has no running kernel ({session.state})")
         await session.kernel.interrupt()
@@ -434,6 +443,7 @@ class SessionManager:
 
     async def restart(self, agent: str, session_id: str) -> dict:
         session = self.get(agent, session_id)
+        self.library.require_kernel(agent)
         async with session.lock:
             old, session.kernel = session.kernel, None
             if old is not None:

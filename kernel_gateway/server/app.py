@@ -25,10 +25,10 @@ from ..sandbox.launch import SandboxUnavailable, find_bwrap
 from ..sandbox.profile import ProfileError, load_profile
 from ..sessions import SessionManager
 from ..settings import Gateway
-from . import notebook_routes, session_routes, tool_routes
+from . import library_routes, notebook_routes, session_routes, tool_routes
 from .base import NotFoundHandler
 
-ROUTE_MODULES = [session_routes, tool_routes, notebook_routes]
+ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes]
 
 
 @dataclass
@@ -142,6 +142,9 @@ class GatewayServer:
         }
         sessions.sweep_leftovers()
         sessions.load_registry()
+        for agent in sorted(sessions.agents):
+            # Builtin skills up to date, documents and installed-skills fit for their read-only binds.
+            sessions.library.ensure_agent(agent)
         self._listen(s.socket, None)
         for agent in sorted(sessions.agents):
             self._agent_created(agent)

@@ -9,12 +9,24 @@ from .. import notebook_runs, variables
 from ..errors import bad_request
 from ..notebooks import NotebookStore
 from ..tools import workspace_paths
+from . import library_routes
 from .base import BaseHandler
 from .session_routes import StreamingHandler
 
 
 class NotebookBase(BaseHandler):
     tool = "notebook"
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.request.method != "GET" and len(self.path_args) >= 2:
+            # Notebook writes never land in the agent's library (installed-skills/).
+            agent = self.agent_arg(self.path_args[0])
+            try:
+                target = workspace_paths.resolve_in_root(self.core.sessions.agent_root(agent), self.path_args[1])
+            except (workspace_paths.PathOutsideRoot, OSError):
+                return  # the store refuses it with its own message
+            library_routes.refuse_protected(self.core, agent, [str(target)])
 
     def store(self, agent: str) -> NotebookStore:
         agent = self.agent_arg(agent)

@@ -9,6 +9,7 @@ from typing import Any
 from tornado import iostream
 
 from ..errors import GatewayError, bad_request
+from . import library_routes
 from .base import BaseHandler
 
 KEEPALIVE_SECONDS = 10.0
@@ -37,8 +38,14 @@ class AgentHandler(BaseHandler):
 
     def put(self, agent: str) -> None:
         agent = self.agent_arg(agent)
-        self.json_body({})
+        body = self.json_body({"documents": dict})
+        if "documents" in body:
+            self.require_control_socket()  # the Agent Library is read-only to the agent
+        # Checked before anything is created, so a refused request leaves no agent behind.
+        documents = library_routes.checked_documents(body.get("documents"))
         created = self.core.sessions.ensure_agent(agent)
+        for name, text in documents.items():
+            self.core.sessions.library.put_document(agent, name, text)
         self.send_json(self.core.sessions.agent_json(agent), 201 if created else 200)
 
     def get(self, agent: str) -> None:

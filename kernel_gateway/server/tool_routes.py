@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import GatewayError, bad_request
 from ..tools import apply_patch, read_file, workspace_paths
 from ..tools.command import REQUEST_KEYS, run_command
+from . import library_routes
 from .session_routes import StreamingHandler
 from .base import BaseHandler, check_fields
 
@@ -19,7 +20,7 @@ async def run_in_command_sandbox(core: Any, agent: str, request: dict, on_event:
     return await run_command(
         request,
         agent_root=sessions.agent_root(agent),
-        profile=sessions.profile(agent, "command"),
+        profile=library_routes.with_library_binds(sessions, agent, sessions.profile(agent, "command")),
         values=sessions.sandbox_values(agent),
         spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
         on_event=on_event,
@@ -104,6 +105,7 @@ class PatchHandler(BaseHandler):
         sessions.require_agent(agent)
         root = sessions.agent_root(agent)
         patch, cwd = self._patch_and_cwd(root)
+        library_routes.refuse_protected(self.core, agent, library_routes.patch_targets(root, patch, cwd))
         external = self.core.settings.apply_patch_command
         if external:
             result = await self._external(agent, external, patch, cwd)

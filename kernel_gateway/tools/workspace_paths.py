@@ -222,3 +222,120 @@ def unlink_in_root(root, path, cwd=None) -> None:
         os.unlink(name, dir_fd=fds[-1])
     finally:
         _close_all(fds)
+
+
+def rename_in_root(root, src, dst, cwd=None) -> None:
+    """Rename `src` to `dst`, both beneath `root` (final symlinks are renamed, not followed)."""
+    root = os.fspath(root)
+    src_fds, src_name, _, src_exists = _walk(root, _relative_parts(root, src, cwd), follow_final=False)
+    try:
+        dst_fds, dst_name, _, _ = _walk(root, _relative_parts(root, dst, cwd), follow_final=False)
+        try:
+            if not src_exists or not src_name:
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(src))
+            if not dst_name:
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", os.fspath(dst))
+            os.rename(src_name, dst_name, src_dir_fd=src_fds[-1], dst_dir_fd=dst_fds[-1])
+        finally:
+            _close_all(dst_fds)
+    finally:
+        _close_all(src_fds)
+
+
+def _remove_entries(dir_fd: int) -> None:
+    """Empty the directory open as `dir_fd`, never following a symlink."""
+    for entry in list(os.scandir(dir_fd)):
+        if entry.is_dir(follow_symlinks=False):
+            fd = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                _remove_entries(fd)
+            finally:
+                os.close(fd)
+            os.rmdir(entry.name, dir_fd=dir_fd)
+        else:
+            os.unlink(entry.name, dir_fd=dir_fd)
+
+
+def remove_tree_in_root(root, path, cwd=None) -> None:
+    """Remove `path` beneath `root` and everything in it; a symlink is removed, never followed."""
+    root = os.fspath(root)
+    fds, name, _, exists = _walk(root, _relative_parts(root, path, cwd), follow_final=False)
+    try:
+        if not exists or not name:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
+        st = os.stat(name, dir_fd=fds[-1], follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=fds[-1])
+            return
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1])
+        try:
+            _remove_entries(fd)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=fds[-1])
+    finally:
+        _close_all(fds)
+
+
+def lstat_in_root(root, path, cwd=None) -> os.stat_result | None:
+    """The entry at `path` beneath `root` itself (a final symlink is not followed); None if missing."""
+    root = os.fspath(root)
+    fds, name, _, exists = _walk(root, _relative_parts(root, path, cwd), follow_final=False)
+    try:
+        if not exists:
+            return None
+        try:
+            return os.stat(name or ".", dir_fd=fds[-1], follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+    finally:
+        _close_all(fds)
+
+
+def read_tree_in_root(root, path, max_files: int, max_bytes: int, cwd=None) -> dict[str, bytes] | None:
+    """Every regular file under the directory `path` beneath `root`, by relative path.
+
+    None when `path` is not a real directory, holds anything but regular files
+    and directories (a symlink, a FIFO, a device), or exceeds the caps.
+    """
+    root = os.fspath(root)
+    fds, name, _, exists = _walk(root, _relative_parts(root, path, cwd), follow_final=False)
+    try:
+        if not exists:
+            return None
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            top = os.open(name or ".", flags, dir_fd=fds[-1])
+        except OSError:
+            return None
+    finally:
+        _close_all(fds)
+    files: dict[str, bytes] = {}
+    budget = [max_bytes]
+
+    def read_dir(dir_fd: int, prefix: str) -> bool:
+        for entry in sorted(os.scandir(dir_fd), key=lambda e: e.name):
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                fd = os.open(entry.name, flags, dir_fd=dir_fd)
+                try:
+                    if not read_dir(fd, prefix + entry.name + "/"):
+                        return False
+                finally:
+                    os.close(fd)
+            elif stat.S_ISREG(st.st_mode) and st.st_size <= budget[0] and len(files) < max_files:
+                fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read(budget[0] + 1)
+                if len(data) > budget[0]:
+                    return False
+                budget[0] -= len(data)
+                files[prefix + entry.name] = data
+            else:
+                return False
+        return True
+
+    try:
+        return files if read_dir(top, "") else None
+    finally:
+        os.close(top)

@@ -1,0 +1,160 @@
+"""Routes of the Agent Library: an agent's skills and documents.
+
+Reads work on both sockets; every change is for the control socket only: the
+library is the operator's, and read-only to the agent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .. import library
+from ..errors import GatewayError, bad_request
+from ..tools import apply_patch, workspace_paths
+from .base import BaseHandler, check_fields
+
+GZIP_TYPES = ("application/gzip", "application/x-gzip", "application/x-tar+gzip", "application/tar+gzip")
+
+
+def with_library_binds(sessions: Any, agent: str, profile: dict) -> dict:
+    """A copy of a command profile with the library's read-only binds added."""
+    sandbox = dict(profile["sandbox"])
+    sandbox["read_only"] = list(sandbox.get("read_only", [])) + sessions.library.read_only_binds(agent)
+    return {**profile, "sandbox": sandbox}
+
+
+def checked_documents(documents: Any) -> dict[str, bytes]:
+    """The ``documents`` of PUT /v1/agents/{a}, checked before anything is created."""
+    if documents is None:
+        return {}
+    for name, text in documents.items():
+        library.check_document_name(name)
+        library.check_document_text(name, text)
+    return documents
+
+
+def refuse_protected(core: Any, agent: str, paths: list[str]) -> None:
+    """403 when a host-side write for the agent would touch its library (documents, skills)."""
+    for path in paths:
+        reason = core.sessions.library.protected(agent, path)
+        if reason:
+            raise GatewayError(403, "read_only_path", f"{reason}: the agent cannot change it",
+                               "the operator sets it through the Agent Library on the control socket")
+
+
+def patch_targets(root: str, patch: str, cwd: str) -> list[str]:
+    """The resolved paths a patch would write, for :func:`refuse_protected`; [] if it does not parse."""
+    try:
+        hunks = apply_patch.parse_patch(patch)
+    except Exception:
+        return []  # apply_patch reports the parse error itself
+    targets = []
+    for hunk in hunks:
+        for raw in filter(None, (hunk.path, hunk.move_to)):
+            try:
+                targets.append(str(workspace_paths.resolve_in_root(root, raw, cwd)))
+            except workspace_paths.PathOutsideRoot:
+                pass  # apply_patch refuses it, with its own message
+    return targets
+
+
+class LibraryBase(BaseHandler):
+    tool = "library"
+
+    def agent_checked(self, agent: str) -> str:
+        agent = self.agent_arg(agent)
+        self.core.sessions.require_agent(agent)
+        return agent
+
+    def change(self, agent: str) -> str:
+        agent = self.agent_checked(agent)
+        if self.scope is not None:
+            raise GatewayError(403, "read_only_library",
+                               "the Agent Library is read-only to the agent: skills and documents change "
+                               "only on the control socket", "ask the operator")
+        return agent
+
+
+class SkillsHandler(LibraryBase):
+    def get(self, agent: str) -> None:
+        agent = self.agent_checked(agent)
+        self.send_json({"skills": self.core.sessions.library.list_skills(agent)})
+
+
+class SkillHandler(LibraryBase):
+    def get(self, agent: str, name: str) -> None:
+        agent = self.agent_checked(agent)
+        self.send_json(self.core.sessions.library.skill(agent, name))
+
+    def put(self, agent: str, name: str) -> None:
+        agent = self.change(agent)
+        library.check_skill_name(name)
+        body = self.request.body or b""
+        content_type = self.request.headers.get("Content-Type", "").split(";")[0].strip()
+        if content_type in GZIP_TYPES or body[:2] == b"\x1f\x8b":
+            files = library.files_from_tar_gz(name, body)
+        else:
+            try:
+                parsed = json.loads(body or b"null")
+            except (ValueError, UnicodeDecodeError) as e:
+                raise bad_request(f"the body is not valid JSON: {e}",
+                                  'send {"files": {...}} or a tar.gz', code="malformed_json") from None
+            files = library.files_from_json(parsed)
+        item, created = self.core.sessions.library.install_skill(agent, name, files)
+        self.send_json(item, 201 if created else 200)
+
+    async def patch(self, agent: str, name: str) -> None:
+        agent = self.change(agent)
+        body = self.json_body({"enabled": bool}, required=("enabled",))
+        item = self.core.sessions.library.set_enabled(agent, name, body["enabled"])
+        if name == library.KERNEL_SKILL and not body["enabled"]:
+            # Narrowed: its kernels and its spare stop now.
+            await self.core.sessions.stop_agent(agent)
+        self.send_json(item)
+
+    def delete(self, agent: str, name: str) -> None:
+        agent = self.change(agent)
+        self.core.sessions.library.remove_skill(agent, name)
+        self.send_json({"name": name, "removed": True})
+
+
+class DocumentHandler(LibraryBase):
+    def reply(self, result: dict) -> None:
+        self.set_header("ETag", result["etag"])
+        self.send_json(result)
+
+    def get(self, agent: str, name: str) -> None:
+        agent = self.agent_checked(agent)
+        self.reply(self.core.sessions.library.get_document(agent, name))
+
+    def put(self, agent: str, name: str) -> None:
+        agent = self.change(agent)
+        library.check_document_name(name)
+        raw = self.request.body or b""
+        if self.request.headers.get("Content-Type", "").startswith("application/json"):
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+            if not isinstance(body, dict):
+                raise bad_request('the body must be {"text": "..."}', code="malformed_json")
+            text = check_fields(body, {"text": str}, required=("text",))["text"]
+        else:
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise bad_request(f"{name} must be UTF-8 text: {e}", code="not_utf8") from None
+        result = self.core.sessions.library.put_document(
+            agent, name, text, if_match=self.request.headers.get("If-Match")
+        )
+        self.reply(result)
+
+
+def routes() -> list[tuple[str, type]]:
+    agent = r"/v1/agents/([^/]+)"
+    return [
+        (agent + r"/skills/?", SkillsHandler),
+        (agent + r"/skills/([^/]+)/?", SkillHandler),
+        (agent + r"/documents/([^/]+)", DocumentHandler),
+    ]
