@@ -422,8 +422,8 @@ class SessionManager:
 
     async def inspect(self, agent: str, session_id: str, probe: Callable[[Any], Any]) -> dict:
         """Run ``probe(kernel_client)`` between executions of a live session."""
-        session = self.get(agent, session_id)
         self.library.require_kernel(agent)
+        session = self.get(agent, session_id)
         async with session.lock:
             if session.kernel is None:
                 raise GatewayError(
@@ -434,16 +434,16 @@ class SessionManager:
             return await probe(session.kernel.kc)
 
     async def interrupt(self, agent: str, session_id: str) -> dict:
-        session = self.get(agent, session_id)
         self.library.require_kernel(agent)
+        session = self.get(agent, session_id)
         if session.kernel is None or session.state not in LIVE_STATES:
             raise GatewayError(409, "no_kernel", f"session {session_id!r} has no running kernel ({session.state})")
         await session.kernel.interrupt()
         return session.to_json()
 
     async def restart(self, agent: str, session_id: str) -> dict:
-        session = self.get(agent, session_id)
         self.library.require_kernel(agent)
+        session = self.get(agent, session_id)
         async with session.lock:
             old, session.kernel = session.kernel, None
             if old is not None:
