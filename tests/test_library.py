@@ -240,6 +240,38 @@ def test_materialize_refuses_a_destination_that_climbs_out(lib):
         lib.materialize_skills("alice", lib.agent_root("alice"), "../bob/skills")
 
 
+def test_writes_for_the_agent_are_checked_on_what_is_opened_not_on_a_name(lib):
+    """The check a route makes first can be raced (a symlink swapped in); this one cannot."""
+    top = lib.agent_root("alice")
+    with open(os.path.join(top, "SOUL.md"), "w") as f:
+        f.write("operator's\n")
+    os.symlink("../SOUL.md", os.path.join(top, "user-files", "soul"))
+    os.symlink(f"../installed-skills/{SKILL}", os.path.join(top, "user-files", "skill"))
+    refuse = lambda path: lib.protected("alice", path) is not None  # noqa: E731
+    wp = library.wp
+    for path, flags in (("user-files/soul", os.O_WRONLY | os.O_TRUNC), ("user-files/skill/new.md", os.O_WRONLY | os.O_CREAT)):
+        with pytest.raises(PermissionError):
+            wp.open_in_root_unless(top, path, flags, refuse)
+    with pytest.raises(PermissionError):
+        wp.unlink_in_root_unless(top, "user-files/skill/SKILL.md", refuse)
+    assert open(os.path.join(top, "SOUL.md")).read() == "operator's\n"
+    assert tree_bytes(os.path.join(top, "installed-skills", SKILL)) == package_files()
+    # Everything else opens as open_in_root would.
+    fd = wp.open_in_root_unless(top, "user-files/new.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, refuse)
+    os.close(fd)
+    wp.unlink_in_root_unless(top, "user-files/new.txt", refuse)
+    os.symlink("made.txt", os.path.join(top, "user-files", "dangling"))  # followed, beneath the root
+    os.close(wp.open_in_root_unless(top, "user-files/dangling", os.O_WRONLY | os.O_CREAT, refuse))
+    assert os.path.isfile(os.path.join(top, "user-files", "made.txt"))
+    # apply_patch with the check, and no route in front of it: the write is refused.
+    from kernel_gateway.tools import apply_patch
+
+    patch = "*** Begin Patch\n*** Update File: user-files/soul\n@@\n-operator's\n+the agent's\n*** End Patch\n"
+    result = apply_patch.apply_patch(patch, top, root=top, refuse=refuse)
+    assert not result.ok and "Failed to write file" in result.output
+    assert open(os.path.join(top, "SOUL.md")).read() == "operator's\n"
+
+
 # --- through the real gateway ----------------------------------------------------------
 
 

@@ -110,7 +110,10 @@ class PatchHandler(BaseHandler):
         if external:
             result = await self._external(agent, external, patch, cwd)
         else:
-            result = apply_patch.apply_patch(patch, cwd, root=root).__dict__
+            library = sessions.library
+            result = apply_patch.apply_patch(
+                patch, cwd, root=root, refuse=lambda path: library.protected(agent, path) is not None
+            ).__dict__
         self.send_json(result, 200 if result["ok"] else 422)
 
     async def _external(self, agent: str, command: str, patch: str, cwd: str) -> dict:

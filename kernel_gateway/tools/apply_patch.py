@@ -383,17 +383,23 @@ class _Files:
 class _ConfinedFiles(_Files):
     """Every access resolved beneath `root` (openat2 or an O_NOFOLLOW walk)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, refuse=None):
         self.root = root
+        self.refuse = refuse  # refuse(physical path): paths this patch may not write
 
     def open(self, path: str, flags: int) -> int:
+        if self.refuse is not None and flags & (os.O_WRONLY | os.O_RDWR):
+            return workspace_paths.open_in_root_unless(self.root, path, flags, self.refuse, 0o666)
         return workspace_paths.open_in_root(self.root, path, flags, 0o666)
 
     def makedirs(self, path: str) -> None:
         workspace_paths.mkdirs_in_root(self.root, path)
 
     def unlink(self, path: str) -> None:
-        workspace_paths.unlink_in_root(self.root, path)
+        if self.refuse is not None:
+            workspace_paths.unlink_in_root_unless(self.root, path, self.refuse)
+        else:
+            workspace_paths.unlink_in_root(self.root, path)
 
 
 def _read_text(files: _Files, path: str) -> str:
@@ -463,9 +469,13 @@ def _check_confined(hunks: list[Hunk], cwd: str, root: str) -> None:
 
 
 def apply_patch(
-    patch: str, cwd: str | os.PathLike, root: str | os.PathLike | None = None
+    patch: str, cwd: str | os.PathLike, root: str | os.PathLike | None = None, refuse=None
 ) -> PatchResult:
-    """Apply `patch` relative to `cwd` exactly as the reference `apply_patch` would."""
+    """Apply `patch` relative to `cwd` exactly as the reference `apply_patch` would.
+
+    With `root`, ``refuse(physical path)`` may name paths beneath it that no
+    write or delete may touch (checked on what is actually opened).
+    """
     # The reference resolves against getcwd(), i.e. the physical directory.
     cwd = os.path.realpath(cwd)
     result = PatchResult(ok=False, output="")
@@ -476,7 +486,7 @@ def apply_patch(
         files = _Files()
         if root is not None:
             _check_confined(hunks, cwd, os.fspath(root))
-            files = _ConfinedFiles(os.fspath(root))
+            files = _ConfinedFiles(os.fspath(root), refuse)
         _apply(hunks, cwd, files, result)
     except PatchError as err:
         result.output = f"{err}\n"

@@ -339,3 +339,66 @@ def read_tree_in_root(root, path, max_files: int, max_bytes: int, cwd=None) -> d
         return files if read_dir(top, "") else None
     finally:
         os.close(top)
+
+
+def fd_path(fd: int) -> str:
+    """The physical path of what `fd` has open: a check on it is a check on what was opened."""
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _refused(path) -> PermissionError:
+    return PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+
+def open_in_root_unless(root, path, flags, refuse, mode=0o644, cwd=None, _followed=False) -> int:
+    """:func:`open_in_root`, raising PermissionError when ``refuse(physical path)`` is true.
+
+    The check is made on the file actually opened (or, for a new file, on its
+    parent directory held open while the file is created), so a symlink
+    swapped in between a caller's check and this open cannot redirect it.
+    """
+    existing = flags & ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL)
+    if not (flags & os.O_CREAT and flags & os.O_EXCL):
+        try:
+            fd = open_in_root(root, path, existing, mode, cwd)
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+        else:
+            if refuse(fd_path(fd)):
+                os.close(fd)
+                raise _refused(path)
+            if flags & os.O_TRUNC:
+                os.ftruncate(fd, 0)
+            return fd
+    parent, name = os.path.split(os.fspath(path))
+    if not name:
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", os.fspath(path))
+    parent_fd = open_in_root(root, parent or ".", os.O_PATH | os.O_DIRECTORY, cwd=cwd)
+    try:
+        if refuse(os.path.join(fd_path(parent_fd), name)):
+            raise _refused(path)
+        # O_NOFOLLOW: a symlink at the name is not followed here...
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+    except OSError as err:
+        if err.errno != errno.ELOOP or _followed:
+            raise
+    finally:
+        os.close(parent_fd)
+    # ... but resolved (beneath the root, as open_in_root would) and created at its target.
+    target = resolve_in_root(root, path, cwd)
+    return open_in_root_unless(root, target, flags, refuse, mode, _followed=True)
+
+
+def unlink_in_root_unless(root, path, refuse, cwd=None) -> None:
+    """:func:`unlink_in_root`, raising PermissionError when ``refuse(physical path)`` is true."""
+    root = os.fspath(root)
+    fds, name, _, exists = _walk(root, _relative_parts(root, path, cwd), follow_final=False)
+    try:
+        if not exists or not name:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
+        if refuse(os.path.join(fd_path(fds[-1]), name)):
+            raise _refused(path)
+        os.unlink(name, dir_fd=fds[-1])
+    finally:
+        _close_all(fds)
