@@ -292,6 +292,11 @@ class SessionManager:
             raise GatewayError(
                 500, "kernel_start_failed", f"the kernel could not start: {e}", "run `kernel-gateway doctor`"
             ) from e
+        if not self.library.kernel_enabled(session.agent):
+            # Narrowed while this kernel started: it does not outlive the switch.
+            kernel, session.kernel, session.state = session.kernel, None, previous
+            await kernel.shutdown(now=True)
+            self.library.require_kernel(session.agent)
         session.state = "idle"
         session.last_activity = time.time()
         self.save_registry()

@@ -708,3 +708,34 @@ def test_the_package_ships_the_skill_as_package_data(tmp_path):
         shipped = {n[len("kernel_gateway/builtin_skills/jupyter-live-kernel/"):]: z.read(n) for n in z.namelist()
                    if n.startswith("kernel_gateway/builtin_skills/jupyter-live-kernel/")}
     assert shipped == package_files()
+
+
+def agent_processes(root: str) -> list[int]:
+    """Pids of sandboxes (bwrap and what runs in it) whose command line names this agent's tree."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if root.encode() in f.read() and pid_alive(int(pid)):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_kernel_starting_while_the_skill_is_disabled_does_not_outlive_the_switch(gw):
+    import threading
+
+    c = gw.client
+    assert c.call("PUT", "/v1/agents/frank")[0] == 201
+    root = os.path.join(gw.root, "frank")
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(c.execute("frank", "s1", "1")))
+    thread.start()
+    assert wait_until(lambda: agent_processes(root), interval=0.01)  # its kernel is starting
+    assert c.call("PATCH", f"/v1/agents/frank/skills/{SKILL}", {"enabled": False})[0] == 200
+    thread.join(60)
+    (status, body), = answers
+    assert status in (200, 403), body  # the cell died with its kernel, or the start was refused
+    assert wait_until(lambda: not agent_processes(root))
+    assert c.call("GET", "/v1/agents/frank")[1]["sessions"] == []
