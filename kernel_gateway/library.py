@@ -420,7 +420,6 @@ class Library:
         the binds never follow a path the agent chose.
         """
         top = self.agent_root(agent)
-        self._replay_journal(agent)
         st = wp.lstat_in_root(top, SKILLS_DIR)
         if st is not None and not stat.S_ISDIR(st.st_mode):
             wp.rename_in_root(top, SKILLS_DIR, f"{SKILLS_DIR}.displaced-{secrets.token_hex(4)}")
@@ -437,6 +436,7 @@ class Library:
                     os.close(wp.open_in_root(top, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
                 except FileExistsError:
                     pass
+        self._replay_journal(agent)
         for name, files in self.builtins.files.items():
             where = f"{SKILLS_DIR}/{name}"
             present = wp.read_tree_in_root(top, where, MAX_SKILL_FILES, MAX_SKILL_TOTAL)
@@ -478,7 +478,7 @@ class Library:
         top = self.agent_root(agent)
         overrides = self.enabled_overrides(agent)
         skills = []
-        for name, info in self.builtins.info.items():
+        for info in self.builtins.info.values():
             skills.append(self._skill_json(top, info, True, overrides))
         for name in self._user_skill_names(top):
             item = {"name": name, "description": "", "builtin": False, "default_enabled": True}

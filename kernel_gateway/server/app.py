@@ -144,7 +144,10 @@ class GatewayServer:
         sessions.load_registry()
         for agent in sorted(sessions.agents):
             # Builtin skills up to date, documents and installed-skills fit for their read-only binds.
-            sessions.library.ensure_agent(agent)
+            try:
+                sessions.library.ensure_agent(agent)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"kernel-gateway: cannot prepare the Agent Library of {agent!r}: {e}") from None
         self._listen(s.socket, None)
         for agent in sorted(sessions.agents):
             self._agent_created(agent)
