@@ -35,6 +35,7 @@ VALUES = {
 CONFINED_PREFIX = [
     "/usr/bin/bwrap",
     "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
+    "--disable-userns",
     "--unshare-net",
     "--uid", "1000", "--gid", "1000",
     "--hostname", "sandbox",
@@ -57,12 +58,15 @@ SYSTEM_READ_ONLY = [
     "--ro-bind-try", "/usr/local", "/usr/local",
     "--ro-bind-try", "/opt/venv", "/opt/venv",
 ]  # fmt: skip
-NO_CAPABILITIES_OWN_SESSION = ["--cap-drop", "ALL", "--new-session", "--die-with-parent", "--"]
+# The seccomp filter (fd 9 here), then no capabilities, a session of its own.
+NO_CAPABILITIES_OWN_SESSION = [
+    "--seccomp", "9", "--cap-drop", "ALL", "--new-session", "--die-with-parent", "--",
+]  # fmt: skip
 
 
-def compiled(name_or_profile, values=VALUES, fds=(5, 6)):
+def compiled(name_or_profile, values=VALUES, fds=(5, 6), seccomp_fd=9):
     profile = load_profile(name_or_profile) if isinstance(name_or_profile, str) else name_or_profile
-    return compile_profile(profile, values, bwrap="/usr/bin/bwrap", data_fds=fds)
+    return compile_profile(profile, values, bwrap="/usr/bin/bwrap", data_fds=fds, seccomp_fd=seccomp_fd)
 
 
 # --- the shipped profiles -------------------------------------------------------------
@@ -149,6 +153,8 @@ SEED_LIKE = {
         "proc": "/proc",
         "dev": "/dev",
         "tmp": None,
+        "nested_userns": True,
+        "seccomp": False,
     },
     "limits": {"wall": "2h", "cpu": 3600, "processes": 512, "file_size": "256M"},
     "process": {"cwd": "$$workspace$$", "command": ["/bin/sh", "-c", "cd $$workspace$$"]},
@@ -180,6 +186,53 @@ def test_seed_shaped_profile_argv():
     assert result.limits == Limits(
         wall_seconds=7200, cpu_seconds=3600, processes=512, file_size=256 << 20
     )
+
+
+def test_nested_user_namespaces_are_off_unless_the_profile_opts_out():
+    for name in ("kernel", "command", "job"):
+        profile = load_profile(name)
+        assert profile["sandbox"]["nested_userns"] is False
+        confined = compiled(profile).argv
+        assert confined[:7] == CONFINED_PREFIX[:7] and confined[6] == "--disable-userns"
+        profile["sandbox"]["nested_userns"] = True
+        opted_out = compiled(profile)
+        assert opted_out.nested_userns is True
+        assert opted_out.argv == confined[:6] + confined[7:]
+
+
+def test_the_seccomp_filter_is_on_unless_the_profile_turns_it_off():
+    for name in ("kernel", "command", "job"):
+        profile = load_profile(name)
+        assert profile["sandbox"]["seccomp"] is True
+        filtered = compiled(profile, seccomp_fd=11)
+        at = filtered.argv.index("--seccomp")
+        assert filtered.argv[at : at + 4] == ["--seccomp", "11", "--cap-drop", "ALL"]
+        assert filtered.seccomp is True
+        with pytest.raises(ValueError, match="seccomp_fd"):
+            compiled(profile, seccomp_fd=None)
+        profile["sandbox"]["seccomp"] = False
+        unfiltered = compiled(profile, seccomp_fd=None)
+        assert unfiltered.seccomp is False
+        assert unfiltered.argv == filtered.argv[:at] + filtered.argv[at + 2 :]
+
+
+def test_a_profile_that_predates_the_switches_gets_both_walls():
+    profile = load_profile("command")
+    del profile["sandbox"]["nested_userns"], profile["sandbox"]["seccomp"]
+    del profile["limits"]["cpu_weight"], profile["limits"]["cpu_max"]
+    result = compiled(validate_profile(profile))
+    assert "--disable-userns" in result.argv
+    assert result.argv[result.argv.index("--seccomp") + 1] == "9"
+    assert (result.limits.cpu_weight, result.limits.cpu_max) == (100, None)
+
+
+@pytest.mark.parametrize(("value", "cpus"), [(2, 2.0), (0.5, 0.5), ("1.5", 1.5), (" 3 ", 3.0), (None, None)])
+def test_cpu_max_is_a_number_of_cpus(value, cpus):
+    assert compiled(with_change("limits", "cpu_max", value)).limits.cpu_max == cpus
+
+
+def test_cpu_weight_is_compiled_into_the_limits():
+    assert compiled(with_change("limits", "cpu_weight", 250)).limits.cpu_weight == 250
 
 
 def test_compiling_does_not_change_the_profile():
@@ -229,6 +282,21 @@ BAD_PROFILES = [
     (with_change("process", "env", {"HOME": "$$host_home$$"}), "process.env.HOME", "unknown placeholder $$host_home$$"),
     (with_change("process", "keep", {"stdout": "12Q"}), "process.keep.stdout", "'12Q'"),
     (with_change("process", "cwd", "sessions"), "process.cwd", "absolute path"),
+    (with_change("sandbox", "nested_userns", "no"), "sandbox.nested_userns", "wrong type"),
+    (with_change("sandbox", "nested_userns", 0), "sandbox.nested_userns", "wrong type"),
+    (with_change("sandbox", "seccomp", "default"), "sandbox.seccomp", "wrong type"),
+    (with_change("sandbox", "seccomp", None), "sandbox.seccomp", "wrong type"),
+    (with_change("limits", "cpu_weight", 0), "limits.cpu_weight", "from 1 to 10000"),
+    (with_change("limits", "cpu_weight", 10001), "limits.cpu_weight", "from 1 to 10000"),
+    (with_change("limits", "cpu_weight", "high"), "limits.cpu_weight", "'high'"),
+    (with_change("limits", "cpu_weight", True), "limits.cpu_weight", "True"),
+    (with_change("limits", "cpu_weight", 1.5), "limits.cpu_weight", "1.5"),
+    (with_change("limits", "cpu_max", 0), "limits.cpu_max", "between 0.01 and 1024"),
+    (with_change("limits", "cpu_max", -1), "limits.cpu_max", "between 0.01 and 1024"),
+    (with_change("limits", "cpu_max", "two"), "limits.cpu_max", "'two'"),
+    (with_change("limits", "cpu_max", "nan"), "limits.cpu_max", "nan"),
+    (with_change("limits", "cpu_max", True), "limits.cpu_max", "True"),
+    (with_change("limits", "cpu_max", [2]), "limits.cpu_max", "[2]"),
 ]
 
 

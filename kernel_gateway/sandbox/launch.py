@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from . import cgroups
+from . import cgroups, seccomp
 from .profile import CompiledSandbox, Limits, compile_profile, created_files
 
 
@@ -147,7 +147,10 @@ def prepare(
     files = created_files(profile, values)
     fds = [_memfd(f"created-file-{i}", text) for i, (_at, text) in enumerate(files)]
     try:
-        compiled = compile_profile(profile, values, bwrap=bwrap_path, data_fds=fds)
+        # The seccomp filter is one more memfd that bwrap reads (--seccomp FD).
+        filter_fd = seccomp.filter_fd(profile["sandbox"].get("nested_userns", False)) if profile["sandbox"].get("seccomp", True) else None
+        fds += [] if filter_fd is None else [filter_fd]
+        compiled = compile_profile(profile, values, bwrap=bwrap_path, data_fds=fds[: len(files)], seccomp_fd=filter_fd)
     except Exception:
         for fd in fds:
             os.close(fd)

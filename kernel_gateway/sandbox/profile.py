@@ -52,8 +52,16 @@ SANDBOX_KEYS = {
     "proc": (str, type(None)),
     "dev": (str, type(None)),
     "tmp": (str, type(None)),
+    # false (the default): bwrap --disable-userns, so no process in the sandbox
+    # can make a user namespace of its own (and gain a full capability set in it).
+    "nested_userns": bool,
+    # true (the default): the syscall filter of sandbox/seccomp.py.
+    "seccomp": bool,
 }
-LIMIT_KEYS = ("wall", "cpu", "processes", "file_size", "memory")
+LIMIT_KEYS = ("wall", "cpu", "processes", "file_size", "memory", "cpu_weight", "cpu_max")
+#: cgroup v2's range of cpu.weight (v1 cpu.shares is scaled from it).
+CPU_WEIGHT_RANGE = (1, 10000)
+DEFAULT_CPU_WEIGHT = 100
 PROCESS_KEYS = {"env": dict, "keep": dict, "cwd": str, "command": list}
 KEEP_KEYS = ("stdout", "stderr")
 
@@ -93,6 +101,8 @@ class Limits:
     processes: int | None = None
     file_size: int | None = None
     memory: int | None = None
+    cpu_weight: int = DEFAULT_CPU_WEIGHT  # share of CPU time under contention, within the agent
+    cpu_max: float | None = None  # a hard cap, in CPUs' worth of time (1.5 = one and a half CPUs)
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,8 @@ class CompiledSandbox:
     cwd: str | None
     keep: dict[str, int] = field(default_factory=dict)
     command: list[str] | None = None
+    seccomp: bool = True  # the argv names the filter's fd: pass it to bwrap
+    nested_userns: bool = False
 
 
 # --- units -------------------------------------------------------------------
@@ -142,6 +154,31 @@ def parse_duration(value: Any, field_name: str) -> float | None:
         if match:
             return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     raise ProfileError(field_name, f"expected a duration like 45s, 30m or 2h, got {value!r}")
+
+
+def _parse_cpus(value: Any, field_name: str) -> float | None:
+    """A CPU cap as a number of CPUs (1, 0.5, "2"); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ProfileError(field_name, f"expected a number of CPUs like 0.5 or 2, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ProfileError(field_name, f"expected a number of CPUs like 0.5 or 2, got {value!r}")
+    if not 0.01 <= value <= 1024:
+        raise ProfileError(field_name, f"must be between 0.01 and 1024 CPUs, got {value}")
+    return float(value)
+
+
+def _parse_weight(value: Any, field_name: str) -> int:
+    if value is None:
+        return DEFAULT_CPU_WEIGHT
+    low, high = CPU_WEIGHT_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProfileError(field_name, f"expected a whole number from {low} to {high} (100 is the default share), got {value!r}")
+    return value
 
 
 def _parse_count(value: Any, field_name: str) -> int | None:
@@ -361,6 +398,8 @@ def _compile_limits(limits: Mapping[str, Any]) -> Limits:
         processes=_parse_count(limits.get("processes"), "limits.processes"),
         file_size=parse_size(limits.get("file_size"), "limits.file_size"),
         memory=parse_size(limits.get("memory"), "limits.memory"),
+        cpu_weight=_parse_weight(limits.get("cpu_weight"), "limits.cpu_weight"),
+        cpu_max=_parse_cpus(limits.get("cpu_max"), "limits.cpu_max"),
     )
 
 
@@ -381,19 +420,28 @@ def compile_profile(
     *,
     bwrap: str = "bwrap",
     data_fds: Sequence[int] = (),
+    seccomp_fd: int | None = None,
 ) -> CompiledSandbox:
     """Compile a validated profile and placeholder values into a :class:`CompiledSandbox`.
 
     ``data_fds`` holds one readable file descriptor per ``created_files`` entry,
     carrying that file's text (see :func:`created_files`); bwrap reads each one.
+    ``seccomp_fd`` holds the seccomp filter (see ``sandbox/seccomp.py``), needed
+    unless the profile turns the filter off.
     The argv ends with ``--``: append the command to run.
     """
     sandbox = profile["sandbox"]
     files = created_files(profile, values)
     if len(data_fds) != len(files):
         raise ValueError(f"need {len(files)} data fds for created_files, got {len(data_fds)}")
+    use_seccomp = sandbox.get("seccomp", True)
+    nested_userns = sandbox.get("nested_userns", False)
+    if use_seccomp and seccomp_fd is None:
+        raise ValueError("the profile has a seccomp filter: pass its fd as seccomp_fd")
 
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup"]
+    if not nested_userns:
+        argv.append("--disable-userns")
     if not sandbox.get("network", False):
         argv.append("--unshare-net")
     argv += ["--uid", str(sandbox.get("uid", 1000)), "--gid", str(sandbox.get("gid", 1000))]
@@ -424,6 +472,8 @@ def compile_profile(
     cwd = _fill_path(process["cwd"], values, "process.cwd") if "cwd" in process else None
     if cwd:
         argv += ["--chdir", cwd]
+    if use_seccomp:
+        argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--cap-drop", "ALL"]
     for cap in sandbox.get("linux_capabilities", []):
         argv += ["--cap-add", cap]
@@ -445,4 +495,6 @@ def compile_profile(
         cwd=cwd,
         keep=keep,
         command=command,
+        seccomp=use_seccomp,
+        nested_userns=nested_userns,
     )
