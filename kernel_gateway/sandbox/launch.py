@@ -161,7 +161,19 @@ def prepare(
     if not command:
         raise ValueError("no command to run: pass one or set process.command in the profile")
     limits = compiled.limits
-    group = cgroups.create(name, limits.processes, limits.memory) if use_cgroups else None
+    try:
+        group = (
+            cgroups.create(
+                name, limits.processes, limits.memory,
+                cpu_weight=limits.cpu_weight, cpu_max=limits.cpu_max, agent_group=cgroups.agent_group_name(values),
+            )  # fmt: skip
+            if use_cgroups
+            else None
+        )
+    except Exception:  # a limit that cannot be set: nothing starts, nothing leaks
+        for fd in fds:
+            os.close(fd)
+        raise
     # RLIMIT_NPROC counts every process of the host uid: only a fallback.
     return PreparedSandbox(
         compiled=compiled,
