@@ -297,6 +297,45 @@ def measure_execute(gw: Gateway, n: int, results: dict) -> None:
     results["execute_rtt_ms"] = {"p50": ms(percentile(via, 50)), "p99": ms(percentile(via, 99)), "n": n}
 
 
+def measure_cpu_fairness(gw: Gateway, n: int, results: dict) -> None:
+    """Another agent's execute round trip while one agent keeps 4 sessions busy (cgroup CPU weights)."""
+    log(f"cpu fairness: {n} x `x = 1` for agent 'calm', idle and while agent 'hog' spins in 4 sessions")
+    gw.agent("calm")
+    gw.agent("hog")
+    gw.session("calm", "s")
+    for i in range(4):
+        gw.session("hog", f"busy{i}")
+
+    def rtt_samples() -> list[float]:
+        samples = []
+        for _ in range(n):
+            started = time.perf_counter()
+            gw.execute("calm", "s", "x = 1")
+            samples.append(time.perf_counter() - started)
+        return samples
+
+    for _ in range(10):  # warm-up
+        gw.execute("calm", "s", "x = 1")
+    idle = rtt_samples()
+    spin_seconds = 4.0 + n * 0.05
+    busy_code = f"import time\nt = time.time()\nwhile time.time() - t < {spin_seconds}: pass"
+    hogs = [threading.Thread(target=lambda i=i: gw.execute("hog", f"busy{i}", busy_code, client=Client(gw.socket)))
+            for i in range(4)]  # fmt: skip
+    for hog in hogs:
+        hog.start()
+    time.sleep(1.0)  # let all four spin
+    loaded = rtt_samples()
+    for hog in hogs:
+        hog.join()
+    idle_p50, loaded_p50 = percentile(idle, 50), percentile(loaded, 50)
+    results["cpu_fairness"] = {
+        "idle_rtt_p50_ms": ms(idle_p50),
+        "rtt_p50_ms_with_4_busy_sessions_of_another_agent": ms(loaded_p50),
+        "ratio": round(loaded_p50 / idle_p50, 2),
+        "n": n,
+    }
+
+
 def measure_cli(gw: Gateway, n: int, results: dict) -> None:
     log(f"CLI: {n} x `jlk execute` and {n} x bare python start")
     # jlk is run by the same interpreter as the baseline (python3 on PATH may be a slow shim).
@@ -427,6 +466,7 @@ def targets(r: dict) -> dict:
         "gateway_growth_mb_100mb_output": target(r["gateway_rss_growth_mb_100mb_output"], "<=", 64, "<= 64"),
         "command_overhead_p50_ms": target(r["command_overhead_ms"], "<", 15, "< 15"),
         "cli_vs_python_start": target(r["cli_vs_python_start"], "<=", 1.6, "<= 1.6"),
+        "execute_rtt_with_busy_agent_vs_idle": target(r["cpu_fairness"]["ratio"], "<=", 2, "<= 2"),
     }
 
 
@@ -449,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             measure_command(gw, n_cmd, results)
             measure_throughput(gw, 2.0 if quick else 4.0, results)
             measure_spare_start(gw, n_spare, results)
+            measure_cpu_fairness(gw, n_rtt // 4, results)
         finally:
             gw.stop()
         measure_memory(base, 20, results)

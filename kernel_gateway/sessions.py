@@ -28,7 +28,7 @@ from .execution import KernelDied, OutputCallback, bare_result, run_cell
 from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
 from .library import Library
 from .provisioner import python_env_paths
-from .sandbox import cgroups
+from .sandbox import cgroups, quota
 from .sandbox.profile import ProfileError, load_profile
 from .settings import Gateway
 
@@ -179,6 +179,7 @@ class SessionManager:
     def ensure_agent(self, agent: str) -> bool:
         """Create the agent's tree and socket if needed; True if the agent is new."""
         workspace.check_agent_key(agent)
+        quota.mount_agent_disk(self.settings, agent)  # the tree goes on the agent's own disk, if it has one
         created = workspace.create_agent_tree(self.settings.root, agent)
         self.library.ensure_agent(agent)
         if agent not in self.agents:

@@ -45,6 +45,12 @@ class Gateway(Configurable):
     apply_patch_command = Unicode(
         "", config=True, help="An external apply_patch executable to use instead (run in the command sandbox)."
     )
+    disk_quota = Unicode(
+        "",
+        config=True,
+        help="Disk quota of each agent's tree (e.g. 1G): an ext4 image per agent in <state_dir>/disks, "
+        "loop-mounted nosuid,nodev at the agent's root (needs root and loop devices). Empty: no quota.",
+    )
     demo_agent = Unicode("", config=True, help="Create this agent at start (the quick start uses 'demo').")
     audit_code = Bool(False, config=True, help="Also write the code of each call to the audit log.")
 

@@ -356,3 +356,11 @@ def describe() -> str | None:
         return None
     group.remove()
     return group.mechanism
+
+
+def cpu_mechanism(mechanism: str | None) -> str:
+    """How CPU is shared, given :func:`describe`'s answer."""
+    if mechanism and "cpu" in mechanism:
+        files = "cpu.weight, cpu.max" if mechanism.startswith("cgroup v2") else "cpu.shares, cpu.cfs_quota_us"
+        return f"{mechanism.split(' (')[0]} {files}: equal weight per agent, the profile's cpu_weight per sandbox"
+    return "none: no writable cpu cgroup, so an agent's busy loop competes with everyone at the same priority"

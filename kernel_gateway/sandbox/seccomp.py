@@ -196,3 +196,9 @@ def describe(nested_userns: bool = False) -> str:
         f"libseccomp filter: {len(denied_syscalls(nested_userns))} syscalls denied with EPERM "
         f"({len(program) // 8} BPF instructions)"
     )
+
+
+def walls(profile: dict) -> dict:
+    """The profile's switches, for /v1/info: is the filter on, are nested user namespaces allowed."""
+    sandbox = profile.get("sandbox", {})
+    return {"seccomp": sandbox.get("seccomp", True), "nested_userns": sandbox.get("nested_userns", False)}

@@ -20,7 +20,7 @@ from typing import Any
 from tornado import httpserver, netutil, web
 
 from .. import __version__
-from ..sandbox import cgroups
+from ..sandbox import cgroups, quota, seccomp
 from ..sandbox.launch import SandboxUnavailable, find_bwrap
 from ..sandbox.profile import ProfileError, load_profile
 from ..sessions import SessionManager
@@ -114,6 +114,10 @@ class GatewayServer:
                 load_profile(name)
             except ProfileError as e:
                 raise SystemExit(f"kernel-gateway: {where}: {e}") from None
+        try:
+            quota.parse_quota(s.disk_quota)
+        except ValueError as e:
+            raise SystemExit(f"kernel-gateway: --Gateway.{e}") from None
 
     async def start(self) -> None:
         s = self.settings
@@ -126,7 +130,11 @@ class GatewayServer:
             "version": __version__,
             "bwrap": {"path": bwrap, "version": bwrap_version(bwrap)},
             "sandbox": {
-                "process_limits": cgroups.describe() or "rlimits only (no writable cgroup)",
+                "process_limits": (process_limits := cgroups.describe()) or "rlimits only (no writable cgroup)",
+                "cpu": cgroups.cpu_mechanism(process_limits),
+                "disk_quota": quota.describe(s),
+                "seccomp_filter": _seccomp_filter(),
+                "profiles": {kind: seccomp.walls(load_profile(getattr(s, f"{kind}_profile"))) for kind in ("kernel", "command")},
                 "cgroup_prefix": sessions.cgroup_prefix,
             },
             "limits": {
@@ -143,6 +151,11 @@ class GatewayServer:
         sessions.sweep_leftovers()
         sessions.load_registry()
         for agent in sorted(sessions.agents):
+            # After a reboot, disk images are no longer mounted: mount first, the library writes into the tree.
+            try:
+                quota.mount_agent_disk(s, agent)
+            except quota.QuotaError as e:
+                raise SystemExit(f"kernel-gateway: disk quota of agent {agent!r}: {e.message} ({e.hint})") from None
             # Builtin skills up to date, documents and installed-skills fit for their read-only binds.
             try:
                 sessions.library.ensure_agent(agent)
@@ -185,6 +198,13 @@ class GatewayServer:
             self._lock_file.close()
 
 
+def _seccomp_filter() -> str:
+    try:
+        return seccomp.describe()
+    except seccomp.SeccompUnavailable as e:
+        return f"unavailable: {e}"
+
+
 def _use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
     """Python < 3.12 waits for each command in a thread of its own; a pidfd is cheaper."""
     if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
@@ -214,6 +234,8 @@ def serve(settings: Gateway) -> int:
     print(f"kernel-gateway {__version__} listening on {s.socket}", flush=True)
     print(f"  agents:    {s.root}\n  state:     {s.state_dir}\n  bwrap:     {gateway.core.info['bwrap']['version']}")
     print(f"  process limits: {gateway.core.info['sandbox']['process_limits']}")
+    disk = gateway.core.info["sandbox"]["disk_quota"]
+    print(f"  disk quota: {disk['mechanism']}" + (f" ({disk['reason']})" if "reason" in disk else f", {disk['size']} bytes per agent"))
     agent = s.demo_agent or "demo"
     jlk = os.path.join(os.path.dirname(sys.executable), "jlk")
     print("Try, in another terminal:", flush=True)
