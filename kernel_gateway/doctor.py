@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from .sandbox import cgroups, launch
+from .sandbox import cgroups, launch, quota, seccomp
 from .sandbox.profile import load_profile
 
 CONTAINER_FLAGS = (
@@ -217,6 +217,90 @@ def check_kernel(bwrap: str, python: str) -> Check:
     return Check("sandboxed kernel", True, f"started and answered in {elapsed:.1f} s (pid {pid}, uid {uid} inside)")
 
 
+# Inside a sandbox of the shipped command profile: keyctl (denied by the filter) and
+# unshare(CLONE_NEWUSER) in a single-threaded child (refused by the filter and --disable-userns).
+WALLS_PROBE = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+keyctl = libc.syscall(250 if os.uname().machine == "x86_64" else 219, 0, -2, 1)
+print("keyctl", "ok" if keyctl >= 0 else errno.errorcode[ctypes.get_errno()])
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno())
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print("userns", errno.errorcode[code] if code else "ok")
+"""
+
+
+def check_walls(bwrap: str, python: str) -> list[Check]:
+    """The seccomp filter and the refusal of nested user namespaces, tried in a real command sandbox."""
+    from .provisioner import python_env_paths
+
+    try:
+        described = seccomp.describe()
+    except seccomp.SeccompUnavailable as e:
+        message, _, fix = str(e).partition("; ")
+        return [Check("seccomp filter", False, message, fix)]
+    prefix, base = python_env_paths(python)
+    with tempfile.TemporaryDirectory(prefix="kg-doctor-") as scratch:
+        values = {
+            "agent": "doctor", "agent_root": scratch, "workspace": scratch, "python_prefix": prefix,
+            "python_base_prefix": base, "python_bin": os.path.join(prefix, "bin"),
+        }  # fmt: skip
+        prepared = launch.prepare(load_profile("command"), values, [python, "-c", WALLS_PROBE], bwrap=bwrap, name="doctor")
+        try:
+            result = _run(prepared.argv, **prepared.spawn_kwargs())
+            prepared.spawned()
+        finally:
+            prepared.cleanup()
+    seen = dict(line.split() for line in result.stdout.splitlines() if len(line.split()) == 2)
+    filter_check = (
+        Check("seccomp filter", True, f"on in the shipped profiles: {described}; keyctl refused inside a sandbox")
+        if seen.get("keyctl") == "EPERM"
+        else Check(
+            "seccomp filter", False,
+            f"keyctl inside a sandbox gave {seen.get('keyctl') or _bwrap_error(result)}, not EPERM",
+            "bwrap must be 0.5 or later (--seccomp); run a command sandbox by hand to see why",
+        )  # fmt: skip
+    )
+    userns_check = (
+        Check("nested user namespaces", True, f"off: bwrap --disable-userns; unshare(CLONE_NEWUSER) refused ({seen['userns']})")
+        if seen.get("userns") in ("EPERM", "ENOSPC")
+        else Check(
+            "nested user namespaces", False,
+            f"a sandbox could create a user namespace ({seen.get('userns') or _bwrap_error(result)})",
+            "bwrap must be 0.8 or later (--disable-userns)",
+        )  # fmt: skip
+    )
+    return [filter_check, userns_check]
+
+
+def check_cpu() -> Check:
+    mechanism = cgroups.describe()
+    if mechanism is None or "cpu" not in mechanism:
+        return Check(
+            "CPU weight",
+            True,
+            cgroups.cpu_mechanism(mechanism),
+            "give the gateway a writable cpu cgroup controller (root, or a delegated cgroup v2 subtree with cpu)",
+            warning=True,
+        )
+    return Check("CPU weight", True, cgroups.cpu_mechanism(mechanism))
+
+
+def check_disk_quota() -> Check:
+    reason = quota.unavailable()
+    if reason:
+        return Check(
+            "disk quota",
+            True,
+            f"none: {reason}; an agent can fill the disk its tree is on",
+            "run the gateway as root on a host with loop devices, then set --Gateway.disk_quota=1G",
+            warning=True,
+        )
+    return Check("disk quota", True, f"available: {quota.MECHANISM} (on with --Gateway.disk_quota=SIZE)")
+
+
 def check_caps() -> Check:
     mechanism = cgroups.describe()
     if mechanism is None:
@@ -254,7 +338,8 @@ def run_checks(bwrap: str | None = None) -> list[Check]:
             checks.append(check_python_in_sandbox(path, python))
             if checks[-1].ok:
                 checks.append(check_kernel(path, python))
-    checks.append(check_caps())
+                checks.extend(check_walls(path, python))
+    checks += [check_caps(), check_cpu(), check_disk_quota()]
     return checks
 
 

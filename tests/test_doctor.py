@@ -21,7 +21,11 @@ NAMES = [
     "/proc in a pid namespace",
     "Python environment in the sandbox",
     "sandboxed kernel",
+    "seccomp filter",
+    "nested user namespaces",
     "process and memory caps",
+    "CPU weight",
+    "disk quota",
 ]
 
 
@@ -60,7 +64,12 @@ def test_every_check_passes_here():
     assert [(c.name, c.ok, c.warning) for c in checks] == [(name, True, False) for name in NAMES]
     assert checks[0].detail.startswith("/usr/bin/bwrap (bubblewrap ")
     assert "uid 1000 inside" in checks[4].detail
-    assert checks[5].detail == "cgroup v1 (pids, memory)"
+    assert checks[5].detail.startswith("on in the shipped profiles: 53 syscalls denied with EPERM (libseccomp, ")
+    assert checks[5].detail.endswith("; keyctl refused inside a sandbox")
+    assert checks[6].detail == "off: bwrap --disable-userns; unshare(CLONE_NEWUSER) refused (EPERM)"
+    assert checks[7].detail == "cgroup v1 (pids, memory, cpu)"
+    assert checks[8].detail.startswith("cgroup v1 cpu.shares, cpu.cfs_quota_us: equal weight per agent")
+    assert checks[9].detail.startswith("available: ext4 image per agent, loop-mounted nosuid,nodev")
     assert leftovers() <= before
 
 
@@ -87,9 +96,10 @@ def test_missing_bwrap_fails_clearly_with_exit_1():
     assert lines[0] == "FAIL  bwrap: bubblewrap (bwrap) not found at '/nonexistent'"
     assert lines[1].startswith("      fix: install it with `apt-get install -y bubblewrap`")
     # The sandbox checks that need bwrap are left out; the caps report still runs.
-    assert [line for line in lines if not line.startswith(" ")][1:] == [
-        "OK    process and memory caps: cgroup v1 (pids, memory)"
+    assert [line.split(":")[0] for line in lines if not line.startswith(" ")][1:] == [
+        "OK    process and memory caps", "OK    CPU weight", "OK    disk quota"
     ]
+    assert lines[2] == "OK    process and memory caps: cgroup v1 (pids, memory, cpu)"
     assert result.stderr == ""
 
 
@@ -115,7 +125,10 @@ def test_masked_proc_is_named_with_the_fix():
     )
     assert "--security-opt systempaths=unconfined" in lines[3]
     # Without cgroups in the outer sandbox, the caps fall back to rlimits: a warning.
-    assert lines[-2].startswith("WARN  process and memory caps: rlimits only")
+    assert any(line.startswith("WARN  process and memory caps: rlimits only") for line in lines)
+    # Nor a cpu controller, nor root for a loop mount: warnings, each with its fix.
+    assert any(line.startswith("WARN  CPU weight: none: no writable cpu cgroup") for line in lines)
+    assert any(line.startswith("WARN  disk quota: none: the gateway is not root") for line in lines)
 
 
 def test_python_without_ipykernel_is_named():

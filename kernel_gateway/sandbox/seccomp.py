@@ -193,8 +193,8 @@ def describe(nested_userns: bool = False) -> str:
     """One line for doctor and /v1/info, or :class:`SeccompUnavailable`."""
     program = filter_program(nested_userns)
     return (
-        f"libseccomp filter: {len(denied_syscalls(nested_userns))} syscalls denied with EPERM "
-        f"({len(program) // 8} BPF instructions)"
+        f"{len(denied_syscalls(nested_userns))} syscalls denied with EPERM "
+        f"(libseccomp, {len(program) // 8} BPF instructions)"
     )
 
 
