@@ -171,7 +171,7 @@ def describe(settings: Any) -> dict:
     except ValueError as e:
         return {"mechanism": "none", "reason": str(e)}
     if size is None:
-        return {"mechanism": "none", "reason": "off (--Gateway.disk_quota is not set)"}
+        return {"mechanism": "none", "reason": "off: --Gateway.disk_quota is not set"}
     reason = unavailable()
     if reason:
         return {"mechanism": "none", "reason": f"disk_quota is set but cannot be enforced: {reason}", "size": size}
