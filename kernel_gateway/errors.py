@@ -7,6 +7,8 @@ import Tornado.
 
 from __future__ import annotations
 
+import errno
+
 
 class GatewayError(Exception):
     """An error a client caused or can act on."""
@@ -32,3 +34,13 @@ def not_found(message: str, hint: str = "", code: str = "not_found") -> GatewayE
 
 def conflict(message: str, hint: str = "", code: str = "conflict") -> GatewayError:
     return GatewayError(409, code, message, hint)
+
+
+def disk_full(error: BaseException) -> GatewayError | None:
+    """507 for a write that found no space (an agent's disk quota, usually), else None."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return GatewayError(
+            507, "disk_full", "no space left on the disk this request writes to",
+            "if the agent has a disk quota (GET /v1/info, sandbox.disk_quota), delete files in its tree",
+        )  # fmt: skip
+    return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import audit, workspace
-from .errors import GatewayError, bad_request, not_found
+from .errors import GatewayError, bad_request, disk_full, not_found
 from .execution import KernelDied, OutputCallback, bare_result, run_cell
 from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
 from .library import Library
@@ -290,7 +290,7 @@ class SessionManager:
             session.state = previous
             if isinstance(e, GatewayError):
                 raise
-            raise GatewayError(
+            raise disk_full(e) or GatewayError(
                 500, "kernel_start_failed", f"the kernel could not start: {e}", "run `kernel-gateway doctor`"
             ) from e
         if not self.library.kernel_enabled(session.agent):

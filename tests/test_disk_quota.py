@@ -87,9 +87,27 @@ def test_writing_past_the_quota_fails_with_enospc_and_others_carry_on(quota_gate
     assert info["sandbox"]["disk_quota"] == {"mechanism": quota.MECHANISM, "size": 24 << 20}
     assert gw.client.call("PUT", "/v1/agents/third")[0] == 201  # the state directory still takes writes
     assert "third" in {a["agent"] for a in gw.client.call("GET", "/v1/agents")[1]["agents"]}
+    # Fill the last blocks too: then what the gateway writes for the agent gets a clear 507.
+    _command(gw, "filler", f"cd {top} && dd if=/dev/zero of=big2 bs=1K count=8000; dd if=/dev/zero of=big3 bs=64 count=8000")
+    files_before = sorted(os.listdir(os.path.join(top, "user-files")))
+    sessions_before = sorted(os.listdir(os.path.join(top, "sessions")))
+    status, refused = gw.client.call("POST", "/v1/agents/filler/sessions", {"session": "new"})
+    assert (status, refused["error"]["code"]) == (507, "disk_full"), refused
+    status, refused = gw.client.call("PUT", "/v1/agents/filler/notebooks/user-files/a.ipynb", {"cells": []})
+    assert (status, refused["error"]["code"]) == (507, "disk_full"), refused
+    assert "disk quota" in refused["error"]["hint"]
+    assert sorted(os.listdir(os.path.join(top, "user-files"))) == files_before
+    assert sorted(os.listdir(os.path.join(top, "sessions"))) == sessions_before
+    status, result = gw.client.execute("other", "s", "print(7 * 6)")
+    assert status == 200 and result["text"] == "42\n"
+    assert gw.client.call("GET", "/v1/info")[0] == 200
+    assert "Traceback" not in open(gw.log).read()
+
     # And once the agent frees space, it can write again.
-    body = _command(gw, "filler", f"cd {top} && rm -f big sessions/*/fill.bin && echo hi > small.txt && cat small.txt")
+    body = _command(gw, "filler", f"cd {top} && rm -f big big2 big3 sessions/*/fill.bin && echo hi > small.txt && cat small.txt")
     assert body["exit_code"] == 0 and body["stdout"] == "hi\n"
+    assert gw.client.call("POST", "/v1/agents/filler/sessions", {"session": "new"})[0] == 201
+    assert gw.client.call("PUT", "/v1/agents/filler/notebooks/user-files/a.ipynb", {"cells": []})[0] == 201
 
 
 def test_the_mount_is_nosuid_and_nodev(quota_gateway):

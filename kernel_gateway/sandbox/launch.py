@@ -148,7 +148,8 @@ def prepare(
     fds = [_memfd(f"created-file-{i}", text) for i, (_at, text) in enumerate(files)]
     try:
         # The seccomp filter is one more memfd that bwrap reads (--seccomp FD).
-        filter_fd = seccomp.filter_fd(profile["sandbox"].get("nested_userns", False)) if profile["sandbox"].get("seccomp", True) else None
+        sandbox = profile["sandbox"]
+        filter_fd = seccomp.filter_fd(sandbox.get("nested_userns", False)) if sandbox.get("seccomp", True) else None
         fds += [] if filter_fd is None else [filter_fd]
         compiled = compile_profile(profile, values, bwrap=bwrap_path, data_fds=fds[: len(files)], seccomp_fd=filter_fd)
     except Exception:

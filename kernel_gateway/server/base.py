@@ -15,7 +15,7 @@ from typing import Any
 
 from tornado import web
 
-from ..errors import GatewayError, bad_request
+from ..errors import GatewayError, bad_request, disk_full
 
 log = logging.getLogger("kernel_gateway")
 
@@ -120,6 +120,7 @@ class BaseHandler(web.RequestHandler):
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         error = kwargs.get("exc_info", (None, None, None))[1]
+        error = disk_full(error) or error
         if isinstance(error, GatewayError):
             body = error.to_json()
         elif isinstance(error, web.HTTPError) and status_code < 500:
@@ -137,6 +138,7 @@ class BaseHandler(web.RequestHandler):
 
     def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
         error = kwargs.get("exc_info", (None, None, None))[1]
+        error = disk_full(error) or error
         if isinstance(error, GatewayError):
             status_code = error.status
         super().send_error(status_code, **kwargs)
@@ -144,6 +146,9 @@ class BaseHandler(web.RequestHandler):
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
         if isinstance(value, GatewayError):
             return  # a client error, already in the response and the audit log
+        if disk_full(value):
+            log.warning("%s %s: %s", self.request.method, self.request.path, value)  # a full quota is no bug
+            return
         super().log_exception(typ, value, tb)
 
     def on_finish(self) -> None:
