@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from kernel_gateway.sandbox import quota
-from support import GatewayProcess
+from support import GatewayProcess, wait_until
 
 pytestmark = pytest.mark.skipif(quota.unavailable() is not None, reason=f"no disk quota here: {quota.unavailable()}")
 QUOTA = "24M"
@@ -29,12 +29,19 @@ except OSError as e:
 
 
 def _unmount_all(root: str) -> None:
+    """Unmount every agent's image (a sandbox's bwrap parent may hold its cwd there a moment longer)."""
     if not os.path.isdir(root):
         return
     for agent in os.listdir(root):
         top = os.path.join(root, agent)
-        while quota.mounted_source(top):
-            subprocess.run(["umount", top], check=True)
+
+        def unmounted() -> bool:
+            while quota.mounted_source(top):
+                if subprocess.run(["umount", top], capture_output=True).returncode != 0:
+                    return False
+            return True
+
+        assert wait_until(unmounted, timeout=20), f"{top} stays busy"
 
 
 @pytest.fixture
