@@ -261,6 +261,7 @@ BAD_PROFILES = [
     ({"limits": {}}, "sandbox", "missing"),
     (with_change("sandbox", "netwrk", False), "sandbox.netwrk", "unknown key"),
     (with_change("limits", "disk", "1G"), "limits.disk", "unknown key"),
+    (with_change("limits", "disk", "1G"), "limits.disk", "per agent, not per sandbox: set --Gateway.disk_quota"),
     (with_change("process", "user", "codex-task"), "process.user", "unknown key"),
     (with_change("sandbox", "network", "no"), "sandbox.network", "wrong type"),
     (with_change("sandbox", "uid", -1), "sandbox.uid", "out of range"),

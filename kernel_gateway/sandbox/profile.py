@@ -234,7 +234,10 @@ def _check_keys(section: Any, name: str, allowed: Sequence[str]) -> None:
         raise ProfileError(name, f"expected an object, got {type(section).__name__}")
     unknown = sorted(set(section) - set(allowed))
     if unknown:
-        raise ProfileError(f"{name}.{unknown[0]}", f"unknown key (allowed: {', '.join(allowed)})")
+        where = ""
+        if (name, unknown[0]) == ("limits", "disk"):  # the tree is shared by all of an agent's sandboxes
+            where = "; a disk quota is per agent, not per sandbox: set --Gateway.disk_quota"
+        raise ProfileError(f"{name}.{unknown[0]}", f"unknown key (allowed: {', '.join(allowed)}){where}")
 
 
 def validate_profile(profile: Any, extra_placeholders: Sequence[str] = ()) -> dict:
