@@ -297,8 +297,12 @@ def measure_execute(gw: Gateway, n: int, results: dict) -> None:
     results["execute_rtt_ms"] = {"p50": ms(percentile(via, 50)), "p99": ms(percentile(via, 99)), "n": n}
 
 
-def measure_cpu_fairness(gw: Gateway, n: int, results: dict) -> None:
-    """Another agent's execute round trip while one agent keeps 4 sessions busy (cgroup CPU weights)."""
+def measure_cpu_fairness(gw: Gateway, n: int, results: dict, rounds: int = 3) -> None:
+    """Another agent's execute round trip while one agent keeps 4 sessions busy (cgroup CPU weights).
+
+    Idle and loaded phases alternate (``rounds`` of each), so a change in the
+    machine's own load during the run lands on both sides.
+    """
     log(f"cpu fairness: {n} x `x = 1` for agent 'calm', idle and while agent 'hog' spins in 4 sessions")
     gw.agent("calm")
     gw.agent("hog")
@@ -306,9 +310,9 @@ def measure_cpu_fairness(gw: Gateway, n: int, results: dict) -> None:
     for i in range(4):
         gw.session("hog", f"busy{i}")
 
-    def rtt_samples() -> list[float]:
+    def rtt_samples(count: int) -> list[float]:
         samples = []
-        for _ in range(n):
+        for _ in range(count):
             started = time.perf_counter()
             gw.execute("calm", "s", "x = 1")
             samples.append(time.perf_counter() - started)
@@ -316,23 +320,26 @@ def measure_cpu_fairness(gw: Gateway, n: int, results: dict) -> None:
 
     for _ in range(10):  # warm-up
         gw.execute("calm", "s", "x = 1")
-    idle = rtt_samples()
-    spin_seconds = 4.0 + n * 0.05
-    busy_code = f"import time\nt = time.time()\nwhile time.time() - t < {spin_seconds}: pass"
-    hogs = [threading.Thread(target=lambda i=i: gw.execute("hog", f"busy{i}", busy_code, client=Client(gw.socket)))
-            for i in range(4)]  # fmt: skip
-    for hog in hogs:
-        hog.start()
-    time.sleep(1.0)  # let all four spin
-    loaded = rtt_samples()
-    for hog in hogs:
-        hog.join()
+    per_round = max(1, n // rounds)
+    idle, loaded = [], []
+    for _ in range(rounds):
+        idle += rtt_samples(per_round)
+        spin_seconds = 1.5 + per_round * 0.05
+        busy_code = f"import time\nt = time.time()\nwhile time.time() - t < {spin_seconds}: pass"
+        hogs = [threading.Thread(target=lambda i=i: gw.execute("hog", f"busy{i}", busy_code, client=Client(gw.socket)))
+                for i in range(4)]  # fmt: skip
+        for hog in hogs:
+            hog.start()
+        time.sleep(0.5)  # let all four spin
+        loaded += rtt_samples(per_round)
+        for hog in hogs:
+            hog.join()
     idle_p50, loaded_p50 = percentile(idle, 50), percentile(loaded, 50)
     results["cpu_fairness"] = {
         "idle_rtt_p50_ms": ms(idle_p50),
         "rtt_p50_ms_with_4_busy_sessions_of_another_agent": ms(loaded_p50),
         "ratio": round(loaded_p50 / idle_p50, 2),
-        "n": n,
+        "n": len(loaded),
     }
 
 

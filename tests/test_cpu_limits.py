@@ -51,7 +51,7 @@ def test_a_sandbox_gets_its_weight_and_cap_inside_its_agents_group(tmp_path):
     agent_group = os.path.dirname(cpu_dir)
     try:
         assert os.path.basename(agent_group) == cgroups.agent_group_name(values)
-        assert os.path.basename(agent_group).startswith("agent-cpu-alice-")
+        assert os.path.basename(agent_group).startswith("kernel-gateway.agent-cpu-alice-")
         if V2:
             assert _read(cpu_dir, "cpu.weight") == "300"
             assert _read(cpu_dir, "cpu.max") == "20000 100000"
@@ -76,7 +76,7 @@ def test_sandboxes_of_one_agent_share_a_group_and_other_agents_get_their_own(tmp
     try:
         groups = [os.path.dirname(_cpu_dir(p)) for p in (first, second, other)]
         assert groups[0] == groups[1] != groups[2]
-        assert os.path.dirname(groups[0]) == os.path.dirname(groups[2])  # both under kernel-gateway/
+        assert os.path.dirname(groups[0]) == os.path.dirname(groups[2])  # both beside kernel-gateway/
         # The shipped profiles give the default weight.
         assert _read(_cpu_dir(first), "cpu.weight" if V2 else "cpu.shares") == ("100" if V2 else "1024")
         first.cleanup()

@@ -11,9 +11,13 @@ rlimits alone (``kernel-gateway doctor`` says so).
 CPU: every sandbox gets a CPU weight (v2 ``cpu.weight``, v1 ``cpu.shares``
 scaled from it, 100 <-> 1024) and, when its profile asks, a hard cap
 (``cpu.max`` / ``cpu.cfs_quota_us``).  The weights are per agent, not per
-sandbox: each agent has a parent group ``agent-<key>-<hash>`` with the same
-weight as every other agent's, and its sandboxes share that agent's part.  So
-four busy sessions of one agent get no more CPU than one session of another.
+sandbox: each agent has a parent group ``kernel-gateway.agent-<key>-<hash>``
+with the default weight, and its sandboxes share that agent's part.  So four
+busy sessions of one agent get no more CPU than one session of another.  The
+agent groups sit beside ``kernel-gateway/``, not inside it: inside one shared
+parent that busy agents keep saturated, an idle agent's kernel would wait for
+that parent's turn on every wake-up; beside it, the idle agent's own group
+is the one that slept, and the scheduler runs it at once.
 
 A limit that cannot be written fails the start (:class:`LimitNotApplied`): a
 cap that silently does not hold is worse than none.  Only the absence of a
@@ -35,7 +39,7 @@ from typing import Mapping
 from ..errors import GatewayError
 
 PARENT = "kernel-gateway"
-AGENT_GROUP_PREFIX = "agent-"
+AGENT_GROUP_PREFIX = f"{PARENT}.agent-"
 CFS_PERIOD_US = 100_000
 
 
@@ -47,7 +51,7 @@ class LimitNotApplied(GatewayError):
 
 
 def agent_group_name(values: Mapping[str, str]) -> str | None:
-    """The per-agent parent group of a sandbox: key plus a hash of its tree (two gateways never share one)."""
+    """The per-agent CPU group of a sandbox: key plus a hash of its tree (two gateways never share one)."""
     agent, root = values.get("agent"), values.get("agent_root")
     if not agent or not root:
         return None
@@ -251,10 +255,11 @@ def create(
                         dirs.append(mem_dir)
                         _set_limit(os.path.join(mem_dir, "memory.limit_in_bytes"), str(memory))
                         kinds.append("memory")
-                cpu_parent = os.path.join(mounts["cpu"] + _own_cgroup("cpu"), PARENT) if "cpu" in mounts else None
+                cpu_base = mounts["cpu"] + _own_cgroup("cpu") if "cpu" in mounts else None
+                cpu_parent = os.path.join(cpu_base, PARENT) if cpu_base else None
                 if cpu_parent and _writable_dir(cpu_parent):
                     if agent_group:
-                        group.groups = (os.path.join(cpu_parent, agent_group),)
+                        group.groups = (os.path.join(cpu_base, agent_group),)
                         cpu_dir = _make_under(group.groups[0], leaf)
                         # Every agent's group has the default weight: agents share alike.
                         _set_limit(os.path.join(group.groups[0], "cpu.shares"), str(v1_shares(100)))
@@ -277,7 +282,7 @@ def create(
             try:
                 where = parent
                 if agent_group:
-                    where = os.path.join(parent, agent_group)
+                    where = os.path.join(mounts["unified"], agent_group)
                     os.makedirs(where, exist_ok=True)
                     group.groups = (where,)
                     _write(os.path.join(where, "cgroup.subtree_control"), "+pids +memory +cpu")
@@ -331,12 +336,13 @@ def sweep(prefix: str) -> int:
             group = SandboxCgroup([os.path.join(parent, name)], "leftover")
             group.remove()
             removed += not group.dirs
+        base = os.path.dirname(parent)
         try:
-            agent_groups = [n for n in os.listdir(parent) if n.startswith(AGENT_GROUP_PREFIX)]
+            agent_groups = [n for n in os.listdir(base) if n.startswith(AGENT_GROUP_PREFIX)]
         except OSError:
             agent_groups = []
         for agent_group in agent_groups:
-            where = os.path.join(parent, agent_group)
+            where = os.path.join(base, agent_group)
             try:
                 names = [n for n in os.listdir(where) if n.startswith(prefix)]
             except OSError:
