@@ -51,6 +51,24 @@ class Gateway(Configurable):
         help="Disk quota of each agent's tree (e.g. 1G): an ext4 image per agent in <state_dir>/disks, "
         "loop-mounted nosuid,nodev at the agent's root (needs root and loop devices). Empty: no quota.",
     )
+    job_profile = Unicode("job", config=True, help="Sandbox profile of background jobs.")
+    codex_job_profile = Unicode(
+        "", config=True,
+        help="Sandbox profile of codex jobs; default: the job profile with the network on and name lookup files.",
+    )
+    max_running_jobs = Int(2, config=True, help="Background jobs running at once in all (one per agent at most).")
+    job_patch_limit = Int(64 << 20, config=True, help="Largest job patch served or applied, in bytes.")
+    codex_command = Unicode("", config=True, help="Path of the Codex CLI binary for codex jobs; default: codex on PATH.")
+    model_profiles = Dict(
+        config=True,
+        help='Model profiles for codex jobs: {"heavy": {"model": "gpt-5-codex", "base_url": "https://api.openai.com/v1",'
+        ' "provider"?: "openai", "env_key"?: "OPENAI_API_KEY"}}.',
+    )
+    jobs_model_profile = Unicode("", config=True, help="The Background Agent Jobs model profile (a model_profiles name).")
+    heavy_model_profile = Unicode("heavy", config=True, help="The heavy model profile, used when no jobs profile is set.")
+    agent_model_profiles = Dict(
+        config=True, help='Per-agent model profile choices: {"alice": {"jobs": "name", "heavy": "name"}}.'
+    )
     demo_agent = Unicode("", config=True, help="Create this agent at start (the quick start uses 'demo').")
     audit_code = Bool(False, config=True, help="Also write the code of each call to the audit log.")
 

@@ -23,12 +23,14 @@ from .. import __version__
 from ..sandbox import cgroups, quota, seccomp
 from ..sandbox.launch import SandboxUnavailable, find_bwrap
 from ..sandbox.profile import ProfileError, load_profile
+from ..codex_runner import check_model_profile
+from ..jobs import JobManager
 from ..sessions import SessionManager
 from ..settings import Gateway
-from . import library_routes, notebook_routes, session_routes, tool_routes
+from . import job_routes, library_routes, notebook_routes, session_routes, tool_routes
 from .base import NotFoundHandler
 
-ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes]
+ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes, job_routes]
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Core:
 
     settings: Gateway
     sessions: SessionManager
+    jobs: Any = None  # the JobManager, once started
     info: dict = field(default_factory=dict)
 
 
@@ -102,13 +105,20 @@ class GatewayServer:
     def _check_profiles(self) -> None:
         """Every profile the settings name loads, or the gateway does not start."""
         s = self.settings
-        named = [(f"--Gateway.{kind}_profile", getattr(s, f"{kind}_profile")) for kind in ("kernel", "command")]
+        named = [(f"--Gateway.{kind}_profile", getattr(s, f"{kind}_profile")) for kind in ("kernel", "command", "job")]
+        if s.codex_job_profile:
+            named.append(("--Gateway.codex_job_profile", s.codex_job_profile))
         for agent, kinds in s.agent_profiles.items():
-            if not isinstance(kinds, dict) or set(kinds) - {"kernel", "command"}:
+            if not isinstance(kinds, dict) or set(kinds) - {"kernel", "command", "job"}:
                 raise SystemExit(
-                    f"kernel-gateway: agent_profiles[{agent!r}] must map 'kernel' and/or 'command' to a profile"
+                    f"kernel-gateway: agent_profiles[{agent!r}] must map 'kernel', 'command' and/or 'job' to a profile"
                 )
             named += [(f"agent_profiles[{agent!r}][{kind!r}]", path) for kind, path in kinds.items()]
+        for name, model in s.model_profiles.items():
+            try:
+                check_model_profile(name, model)
+            except ValueError as e:
+                raise SystemExit(f"kernel-gateway: --Gateway.model_profiles: {e}") from None
         for where, name in named:
             try:
                 load_profile(name)
@@ -165,6 +175,8 @@ class GatewayServer:
         for agent in sorted(sessions.agents):
             self._agent_created(agent)
         sessions.on_agent = self._agent_created
+        self.core.jobs = JobManager(s, sessions)
+        await self.core.jobs.start()  # after the sweep: lost jobs' cgroups are gone
         if s.demo_agent:
             sessions.ensure_agent(s.demo_agent)
         self._cull_task = asyncio.ensure_future(self._cull_loop())
@@ -186,6 +198,8 @@ class GatewayServer:
             self._cull_task.cancel()
         for server, _path in self.servers.values():
             server.stop()
+        if self.core.jobs:
+            await self.core.jobs.stop()
         await self.core.sessions.shutdown_all()
         for _server, path in self.servers.values():
             try:

@@ -1,0 +1,492 @@
+"""Running one background job, step by step, each step in a sandbox.
+
+1. **Copy** (command sandbox over the agent's tree, as the agent): make
+   ``jobs/<id>/{tree,base,temp,skills}``, copy ``from`` into ``tree`` and
+   ``base`` and the agent's skills into ``skills``, write ``.codex/config.toml``.
+   The copy runs *inside* the sandbox so the gateway never opens the agent's
+   files: a symlink pointing out, a FIFO, a device node or a huge file can
+   only reach, block or fill what the agent itself could, within the
+   sandbox's limits.  Only regular files and directories are copied; anything
+   else is left out and listed in ``skipped``.
+2. **Run** (job sandbox over ``jobs/<id>`` only): the command, or ``codex exec``,
+   with stdout and stderr going to ``stdout.log`` / ``stderr.log`` in the job
+   directory (the file-size limit bounds them).  The wall limit and a cancel
+   kill bwrap's process group and the sandbox's cgroup; ``--die-with-parent``
+   ends the pid namespace, background children included.
+3. **Diff** (job sandbox again, fresh limits): ``diff -ruN base tree >
+   change.patch``, also after a failure, a timeout or a cancel.  The gateway
+   then reads only ``change.patch``, through the confined opener, size-capped,
+   to record its SHA-256 and the files it touches.
+4. **Apply** (command sandbox over the agent's tree, on request): check every
+   touched file of ``from`` against ``base``, ``patch -p1 --dry-run``, then
+   ``patch -p1``; binary files are copied from ``tree``.
+
+No Tornado here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import errno
+import hashlib
+import json
+import os
+import re
+import signal
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import GatewayError, conflict
+from .sandbox import launch
+from .sandbox.profile import parse_duration
+from .tools import workspace_paths
+from .tools.command import run_command
+
+STEP_WALL = 600.0  # seconds for the copy, diff and apply steps (within their profiles' own walls)
+
+# Runs inside the command sandbox, as the agent; argv: FROM SKILLS JOB [CONFIG_PATH].
+COPY_SCRIPT = r"""
+import json, os, stat, sys
+source, skills, job = sys.argv[1:4]
+skipped = []
+KINDS = {stat.S_IFLNK: "symlink", stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket",
+         stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
+
+def copy_file(path, targets, mode):
+    # O_NOFOLLOW | O_NONBLOCK: a file swapped for a symlink or a FIFO neither leads out nor blocks.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        outs = [os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode) for t in targets]
+        while chunk := os.read(fd, 1 << 20):
+            for out in outs:
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(out, view):]
+        for out in outs:
+            os.close(out)
+        return True
+    finally:
+        os.close(fd)
+
+def copy_tree(top, targets, label, rel=""):
+    with os.scandir(os.path.join(top, rel) if rel else top) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        sub = os.path.join(rel, entry.name) if rel else entry.name
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            for t in targets:
+                os.mkdir(os.path.join(t, sub), (st.st_mode & 0o777) | 0o700)
+            copy_tree(top, targets, label, sub)
+        elif stat.S_ISREG(st.st_mode) and copy_file(
+                os.path.join(top, sub), [os.path.join(t, sub) for t in targets], (st.st_mode & 0o777) | 0o600):
+            pass
+        else:
+            kind = KINDS.get(stat.S_IFMT(st.st_mode), "special file")
+            skipped.append({"path": os.path.join(label, sub), "type": kind})
+
+os.mkdir(job, 0o755)
+for name in ("tree", "base", "temp", "skills", ".codex"):
+    os.mkdir(os.path.join(job, name), 0o755)
+copy_tree(source, [os.path.join(job, "tree"), os.path.join(job, "base")], "")
+if os.path.isdir(skills) and not os.path.islink(skills):
+    copy_tree(skills, [os.path.join(job, "skills")], "installed-skills")
+config = sys.stdin.read()
+if config:
+    with open(os.path.join(job, ".codex", "config.toml"), "x") as f:
+        f.write(config)
+print(json.dumps(skipped))
+"""
+
+# Runs inside the job sandbox; argv: JOB.  Lists what diff cannot carry, then diffs.
+DIFF_SCRIPT = r"""
+cd "$1" || exit 3
+rm -f change.patch
+find base tree ! -type f ! -type d -print 2>/dev/null
+diff -ruN --no-dereference base tree > change.patch
+"""
+
+# Runs inside the command sandbox, in ``from``, as the agent; argv: JOB then T:path / B:path
+# per touched file (T a text file patch carries, B a binary file copied from tree).
+APPLY_SCRIPT = r"""
+job=$1; shift
+patch_file="$job/temp/apply-$$.patch"
+cat > "$patch_file" || exit 5
+bad=0
+for entry in "$@"; do
+    f=${entry#?:}
+    if [ -e "$job/base/$f" ]; then
+        cmp -s -- "$job/base/$f" "$f" || { printf 'conflict: %s\n' "$f"; bad=1; }
+    elif [ -e "$f" ] || [ -L "$f" ]; then
+        printf 'conflict: %s\n' "$f"; bad=1
+    fi
+done
+[ $bad = 0 ] || { rm -f "$patch_file"; exit 3; }
+if [ -s "$patch_file" ]; then
+    patch -p1 -E -N -f -s --dry-run -i "$patch_file" || { rm -f "$patch_file"; exit 4; }
+    patch -p1 -E -N -f -s -i "$patch_file" || { rm -f "$patch_file"; exit 6; }
+fi
+rm -f "$patch_file"
+for entry in "$@"; do
+    case $entry in
+    B:*) f=${entry#B:}
+         if [ -f "$job/tree/$f" ]; then mkdir -p -- "$(dirname -- "$f")" && cp -- "$job/tree/$f" "$f" || exit 6
+         else rm -f -- "$f" || exit 6; fi;;
+    esac
+done
+"""
+
+_BINARY = re.compile(r"^Binary files base/(.*) and tree/(.*) differ$")
+_ONLY_IN = re.compile(r"^Only in (base|tree)(/.*)?: (.*)$")
+
+
+@dataclass
+class Context:
+    """What running a job needs from the gateway, resolved per job."""
+
+    agent_root: str
+    values: dict
+    command_profile: dict
+    job_profile: dict  # the job's own profile: its limits already narrowed
+    bwrap: str | None
+    cgroup_name: str
+    output_limit: int = 65536
+    patch_limit: int = 64 << 20
+
+
+@dataclass
+class Outcome:
+    state: str
+    exit_code: int | None = None
+    signal: str | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    error: str | None = None
+    skipped: list = field(default_factory=list)
+    patch: dict | None = None
+
+
+@dataclass
+class CodexRun:
+    """What the codex kind adds to the run step (see :mod:`codex_runner`)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    config_toml: str
+    read_only: list[str]
+
+
+def job_dir(ctx: Context, job: Any) -> str:
+    return os.path.join(os.path.realpath(ctx.agent_root), job.workspace)
+
+
+def _job_values(ctx: Context, job: Any) -> dict:
+    values = {k: v for k, v in ctx.values.items() if k != "agent_socket"}  # a job has no gateway socket
+    values["job_dir"] = job_dir(ctx, job)
+    return values
+
+
+def _step_profile(profile: dict) -> dict:
+    """A profile for a short helper step: its own limits, with a wall of at most STEP_WALL."""
+    step = dict(profile)
+    limits = dict(profile.get("limits", {}))
+    wall = parse_duration(limits.get("wall"), "limits.wall")
+    limits["wall"] = STEP_WALL if wall is None else min(wall, STEP_WALL)
+    step["limits"] = limits
+    return step
+
+
+async def _in_command_sandbox(ctx: Context, argv: list[str], cwd: str, stdin: str = "") -> dict:
+    return await run_command(
+        {"argv": argv, "cwd": cwd, "stdin": stdin},
+        agent_root=ctx.agent_root,
+        profile=_step_profile(ctx.command_profile),
+        values=ctx.values,
+        spill_dir=os.path.join(ctx.agent_root, ".kernel-gateway", "commands"),
+        output_limit=ctx.output_limit,
+        max_stdin=ctx.patch_limit,
+        bwrap=ctx.bwrap,
+    )
+
+
+# --- step 1: copy ----------------------------------------------------------------
+
+
+async def copy_in(ctx: Context, job: Any, config_toml: str = "") -> list:
+    """Make the job's workspace from ``from``; return what was left out."""
+    root = os.path.realpath(ctx.agent_root)
+    ran = await _in_command_sandbox(
+        ctx,
+        ["python3", "-I", "-c", COPY_SCRIPT, os.path.join(root, job.source),
+         os.path.join(root, "installed-skills"), job_dir(ctx, job)],
+        cwd=".",
+        stdin=config_toml,
+    )
+    if ran["exit_code"] != 0 or ran["timed_out"]:
+        why = "it took too long" if ran["timed_out"] else (ran["stderr"].strip().splitlines() or ["?"])[-1]
+        raise GatewayError(500, "copy_failed", f"copying {job.source!r} into the job failed: {why}")
+    try:
+        return json.loads(ran["stdout"].strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return []
+
+
+# --- step 2: run -----------------------------------------------------------------
+
+
+def _tail(fd: int, keep: int) -> str:
+    """The last ``keep`` bytes of a log the gateway holds open (no path lookup)."""
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, keep, max(0, size - keep))
+    start = 0
+    if size > keep:
+        while start < min(3, len(data)) and data[start] & 0xC0 == 0x80:
+            start += 1  # a character cut at the start
+    return codecs.decode(data[start:], "utf-8", "replace")
+
+
+def _open_log(ctx: Context, job: Any, name: str) -> int:
+    path = os.path.join(job.workspace, name)
+    # O_EXCL + openat2 beneath the root: whatever the agent put there, this is a new file of ours.
+    return workspace_paths.open_in_root(
+        ctx.agent_root, path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o644
+    )
+
+
+def _add_read_only(prepared: launch.PreparedSandbox, command_len: int, paths: list[str]) -> None:
+    """Bind ``paths`` read-only over the job directory's bind (bwrap applies mounts in order)."""
+    at = len(prepared.argv) - command_len - 1
+    if prepared.argv[at] != "--":
+        raise RuntimeError("unexpected sandbox argv: no '--' before the command")
+    extra: list[str] = []
+    for path in paths:
+        extra += ["--ro-bind", path, path]
+    prepared.argv[at:at] = extra
+
+
+async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | None) -> Outcome:
+    directory = job_dir(ctx, job)
+    profile = dict(ctx.job_profile)
+    profile["process"] = dict(profile.get("process", {}), cwd="$$job_dir$$/tree")
+    if codex is not None:
+        sandbox = dict(profile["sandbox"])
+        sandbox["read_only"] = list(sandbox.get("read_only", [])) + codex.read_only
+        profile["sandbox"] = sandbox
+    argv = codex.argv if codex is not None else job.command
+    env = {**job.env, "TMPDIR": os.path.join(directory, "temp")}
+    if codex is not None:
+        env.update(codex.env, CODEX_HOME=os.path.join(directory, ".codex"))
+    out_fd, err_fd = _open_log(ctx, job, "stdout.log"), _open_log(ctx, job, "stderr.log")
+    try:
+        prepared = launch.prepare(profile, _job_values(ctx, job), argv, bwrap=ctx.bwrap,
+                                  name=ctx.cgroup_name, extra_env=env)
+        _add_read_only(prepared, len(argv), [os.path.join(directory, "skills")])
+        keep = prepared.compiled.keep
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *prepared.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out_fd, stderr=err_fd,
+                **prepared.spawn_kwargs(),
+            )
+        except BaseException:
+            prepared.cleanup()
+            raise
+        prepared.spawned()
+        state = None
+        waiter = asyncio.ensure_future(process.wait())
+        cancelled = asyncio.ensure_future(cancel.wait())
+        try:
+            done, _ = await asyncio.wait({waiter, cancelled}, timeout=prepared.limits.wall_seconds,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if waiter not in done:
+                state = "cancelled" if cancelled in done else "timed_out"
+        finally:
+            cancelled.cancel()
+            if process.returncode is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)  # bwrap; its pid namespace ends with it
+                except ProcessLookupError:
+                    pass
+                await process.wait()
+            waiter.cancel()
+            # Whatever is left in the cgroup (nothing, once the namespace is gone) is killed too.
+            if not prepared.cleanup(timeout=0):
+                await asyncio.to_thread(prepared.cleanup)
+        exit_code, signum = launch.exit_status(process.returncode)
+        if state is None:
+            state = "succeeded" if process.returncode == 0 else "failed"
+        return Outcome(
+            state=state,
+            exit_code=exit_code if state in ("succeeded", "failed") else None,
+            signal=signal.Signals(signum).name if signum and state == "failed" else None,
+            stdout_tail=_tail(out_fd, keep.get("stdout", 4096)),
+            stderr_tail=_tail(err_fd, keep.get("stderr", 2048)),
+            error={"timed_out": f"the wall limit of {prepared.limits.wall_seconds:g} s ended the job",
+                   "cancelled": "cancelled on request"}.get(state),
+        )
+    finally:
+        os.close(out_fd)
+        os.close(err_fd)
+
+
+def read_tails(ctx: Context, job: Any) -> tuple[str, str]:
+    """The logs' tails of a job the gateway no longer holds (after a restart)."""
+    tails = []
+    keep = {"stdout": 4096, "stderr": 2048}
+    for name in ("stdout", "stderr"):
+        try:
+            fd = _open_regular(ctx, os.path.join(job.workspace, f"{name}.log"))
+        except (OSError, workspace_paths.PathOutsideRoot):
+            tails.append("")
+            continue
+        try:
+            tails.append(_tail(fd, keep[name]))
+        finally:
+            os.close(fd)
+    return tails[0], tails[1]
+
+
+# --- step 3: diff ----------------------------------------------------------------
+
+
+def _open_regular(ctx: Context, rel: str) -> int:
+    fd = workspace_paths.open_in_root(ctx.agent_root, rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", rel)
+    return fd
+
+
+def summarize_patch(fd: int) -> dict:
+    """SHA-256, size and touched files of a ``diff -ruN base tree`` output, read from ``fd``."""
+    digest, size, files, binary, only = hashlib.sha256(), 0, [], [], []
+    pending = b""
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        digest.update(chunk)
+        size += len(chunk)
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop() if chunk else b""
+        for raw in lines:
+            if not (raw.startswith(b"+++ tree/") or raw.startswith(b"Binary files ") or raw.startswith(b"Only in ")):
+                continue
+            line = raw.decode("utf-8", "surrogateescape")
+            if line.startswith("+++ tree/"):
+                files.append(line[len("+++ tree/"):].split("\t")[0])
+            elif m := _BINARY.match(line):
+                binary.append(m.group(2))
+            elif m := _ONLY_IN.match(line):
+                only.append(os.path.join(m.group(1) + (m.group(2) or ""), m.group(3)))
+        if not chunk:
+            break
+    return {"bytes": size, "sha256": digest.hexdigest(), "files": files, "binary_files": binary,
+            "not_carried": only}
+
+
+async def make_patch(ctx: Context, job: Any, partial: bool) -> dict:
+    """Write ``change.patch`` in the job sandbox and record what it holds."""
+    step = _step_profile(ctx.job_profile)
+    ran = await run_command(
+        {"argv": ["/bin/sh", "-c", DIFF_SCRIPT, "diff", job_dir(ctx, job)], "cwd": job.workspace},
+        agent_root=ctx.agent_root,
+        profile=step,
+        values=_job_values(ctx, job),
+        spill_dir=os.path.join(ctx.agent_root, job.workspace, "temp"),
+        output_limit=ctx.output_limit,
+        bwrap=ctx.bwrap,
+    )
+    special = [line for line in ran["stdout"].splitlines() if line]
+    warnings = ran["stderr"][-2048:]
+    try:
+        fd = _open_regular(ctx, os.path.join(job.workspace, "change.patch"))
+    except (OSError, workspace_paths.PathOutsideRoot) as e:
+        return {"bytes": None, "sha256": None, "files": [], "binary_files": [], "not_carried": special,
+                "partial": partial, "error": f"no change.patch: {getattr(e, 'strerror', None) or e}",
+                "warnings": warnings}
+    try:
+        summary = summarize_patch(fd)
+    finally:
+        os.close(fd)
+    summary["not_carried"] = sorted(set(summary["not_carried"]) | set(special))
+    summary["partial"] = partial
+    if ran["exit_code"] not in (0, 1) or ran["timed_out"]:
+        summary["warnings"] = warnings or f"diff ended with {ran['exit_code']}"
+    elif warnings:
+        summary["warnings"] = warnings
+    return summary
+
+
+async def run(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | None = None) -> Outcome:
+    """Copy, run, diff: the whole life of a running job."""
+    skipped = await copy_in(ctx, job, codex.config_toml if codex else "")
+    if cancel.is_set():
+        outcome = Outcome(state="cancelled", error="cancelled on request")
+    else:
+        outcome = await run_main(ctx, job, cancel, codex)
+    outcome.skipped = skipped
+    outcome.patch = await make_patch(ctx, job, partial=outcome.state != "succeeded")
+    return outcome
+
+
+# --- reading the patch, applying it, removing the workspace ------------------------
+
+
+def read_patch(ctx: Context, job: Any, limit: int) -> bytes:
+    """The recorded patch, re-read confined and checked against its recorded SHA-256."""
+    try:
+        fd = _open_regular(ctx, os.path.join(job.workspace, "change.patch"))
+    except (OSError, workspace_paths.PathOutsideRoot):
+        raise conflict(f"the patch of job {job.id} is gone from its workspace", code="patch_changed") from None
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise GatewayError(413, "patch_too_large", f"the patch is over {limit} bytes",
+                               f"read it in the job's workspace: {job.workspace}/change.patch")
+        data = b""
+        while chunk := os.read(fd, 1 << 20):
+            data += chunk
+            if len(data) > limit:
+                raise GatewayError(413, "patch_too_large", f"the patch is over {limit} bytes")
+    finally:
+        os.close(fd)
+    if hashlib.sha256(data).hexdigest() != job.patch["sha256"]:
+        raise conflict(
+            f"change.patch of job {job.id} changed since the job ended (its SHA-256 differs)",
+            "run the job again", code="patch_changed",
+        )
+    return data
+
+
+async def apply_patch(ctx: Context, job: Any, data: bytes) -> dict:
+    """Apply the job's patch to ``from``: all of it or nothing; 409 if ``from`` changed."""
+    patch = job.patch
+    files = [f"T:{f}" for f in patch["files"]] + [f"B:{f}" for f in patch["binary_files"]]
+    if not files:
+        return {"applied": True, "files": [], "binary_files": [], "output": "the patch is empty: nothing to do"}
+    ran = await _in_command_sandbox(
+        ctx, ["/bin/sh", "-c", APPLY_SCRIPT, "apply", job_dir(ctx, job), *files],
+        cwd=job.source, stdin=data.decode("utf-8", "surrogateescape"),
+    )
+    output = (ran["stdout"] + ran["stderr"]).strip()
+    if ran["exit_code"] == 3:
+        changed = [line[len("conflict: "):] for line in ran["stdout"].splitlines() if line.startswith("conflict: ")]
+        raise GatewayError(
+            409, "source_changed",
+            f"{len(changed)} file(s) in {job.source!r} changed since the job copied them: {', '.join(changed)}; nothing was applied",
+            "look at the patch (GET .../patch) and merge by hand, or run the job again on the current files",
+        )
+    if ran["exit_code"] == 4:
+        raise GatewayError(409, "patch_does_not_apply", f"the patch does not apply to {job.source!r}; nothing was applied: {output}")
+    if ran["exit_code"] != 0 or ran["timed_out"]:
+        raise GatewayError(500, "apply_failed", f"applying the patch failed part-way: {output}",
+                           "the job's tree/ holds the intended files")
+    return {"applied": True, "files": patch["files"], "binary_files": patch["binary_files"], "output": output}
+
+
+async def remove_workspace(ctx: Context, job: Any) -> None:
+    """``rm -rf jobs/<id>`` as the agent, in its command sandbox (never as root on the host)."""
+    ran = await _in_command_sandbox(ctx, ["rm", "-rf", "--", job.workspace], cwd=".")
+    if ran["exit_code"] != 0:
+        raise GatewayError(500, "remove_failed", f"could not remove {job.workspace}: {ran['stderr'].strip()}")
