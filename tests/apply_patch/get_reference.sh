@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Installs the pinned OpenAI Codex CLI and exposes its native binary as
-# `apply_patch` (the binary switches to apply_patch mode on that argv[0]).
+# `apply_patch` (the binary switches to apply_patch mode on that argv[0]) and
+# as `codex` (the runner of codex background jobs, tests/test_codex_jobs.py).
 set -euo pipefail
 
 CODEX_VERSION="0.171.0"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PREFIX="$ROOT/.reference/codex"
 LINK="$ROOT/.reference/bin/apply_patch"
+CODEX_LINK="$ROOT/.reference/bin/codex"
 
-if [ -x "$LINK" ] && [ -f "$PREFIX/.version" ] && [ "$(cat "$PREFIX/.version")" = "$CODEX_VERSION" ]; then
+if [ -x "$LINK" ] && [ -x "$CODEX_LINK" ] && [ -f "$PREFIX/.version" ] && [ "$(cat "$PREFIX/.version")" = "$CODEX_VERSION" ]; then
     echo "$LINK"
     exit 0
 fi
@@ -23,5 +25,6 @@ if [ -z "$BIN" ]; then
     exit 1
 fi
 ln -sfn "$BIN" "$LINK"
+ln -sfn "$BIN" "$CODEX_LINK"
 echo "$CODEX_VERSION" > "$PREFIX/.version"
 echo "$LINK"
