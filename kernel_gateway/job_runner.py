@@ -35,6 +35,7 @@ import os
 import re
 import signal
 import stat
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,12 +103,12 @@ if config:
 print(json.dumps(skipped))
 """
 
-# Runs inside the job sandbox; argv: JOB.  Lists what diff cannot carry, then diffs.
+# Runs inside the job sandbox; argv: JOB.  Lists what diff cannot carry, then diffs; exits as diff does.
 DIFF_SCRIPT = r"""
 cd "$1" || exit 3
-rm -f change.patch
-find base tree ! -type f ! -type d -print 2>/dev/null
-diff -ruN --no-dereference base tree > change.patch
+rm -f change.patch temp/not-carried.txt temp/diff-errors.txt
+find base tree ! -type f ! -type d -print > temp/not-carried.txt 2>/dev/null
+diff -ruN --no-dereference base tree > change.patch 2> temp/diff-errors.txt
 """
 
 # Runs inside the command sandbox, in ``from``, as the agent; argv: JOB then T:path / B:path
@@ -257,15 +258,90 @@ def _open_log(ctx: Context, job: Any, name: str) -> int:
     )
 
 
-def _add_read_only(prepared: launch.PreparedSandbox, command_len: int, paths: list[str]) -> None:
-    """Bind ``paths`` read-only over the job directory's bind (bwrap applies mounts in order)."""
-    at = len(prepared.argv) - command_len - 1
-    if prepared.argv[at] != "--":
+def _pin(ctx: Context, rel: str) -> int:
+    """An O_PATH fd of a directory of the job, opened beneath the agent root.
+
+    bwrap would resolve a path as root on the host, following a symlink the
+    agent swapped in (``jobs/<id>`` -> another agent's files); binding the fd
+    binds the very directory we checked.
+    """
+    fd = workspace_paths.open_in_root(ctx.agent_root, rel, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.ENOTDIR, "not a directory", rel)
+    return fd
+
+
+def _bind_pinned(prepared: launch.PreparedSandbox, command_len: int, directory: str, job_fd: int,
+                 read_only: list[tuple[int, str]]) -> None:
+    """Bind the job directory from its fd, then ``read_only`` (fd, path) pairs over it."""
+    argv = prepared.argv
+    for i in range(len(argv) - command_len - 2):
+        if argv[i] == "--bind" and argv[i + 1] == directory and argv[i + 2] == directory:
+            argv[i:i + 3] = ["--bind-fd", str(job_fd), directory]
+            break
+    else:
+        raise RuntimeError("the job profile does not bind $$job_dir$$ read-write")
+    at = len(argv) - command_len - 1
+    if argv[at] != "--":
         raise RuntimeError("unexpected sandbox argv: no '--' before the command")
     extra: list[str] = []
-    for path in paths:
-        extra += ["--ro-bind", path, path]
-    prepared.argv[at:at] = extra
+    for fd, path in read_only:
+        extra += ["--ro-bind-fd", str(fd), path]
+    argv[at:at] = extra
+    prepared.data_fds += [job_fd] + [fd for fd, _ in read_only]  # passed to bwrap, closed once spawned
+
+
+async def _in_job_sandbox(ctx: Context, job: Any, profile: dict, argv: list[str], env: dict,
+                          stdout: int, stderr: int, cancel: asyncio.Event | None,
+                          read_only: tuple[str, ...] = ()) -> tuple[int | None, str | None, Any]:
+    """Run ``argv`` in the job sandbox; returns (returncode, "cancelled"/"timed_out"/None, limits)."""
+    directory = job_dir(ctx, job)
+    fds = [_pin(ctx, job.workspace)]
+    try:
+        fds += [_pin(ctx, os.path.join(job.workspace, rel)) for rel in read_only]
+        prepared = launch.prepare(profile, _job_values(ctx, job), argv, bwrap=ctx.bwrap,
+                                  name=ctx.cgroup_name, extra_env=env)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    _bind_pinned(prepared, len(argv), directory, fds[0],
+                 [(fd, os.path.join(directory, rel)) for fd, rel in zip(fds[1:], read_only)])
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *prepared.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+            **prepared.spawn_kwargs(),
+        )
+    except BaseException:
+        prepared.cleanup()
+        raise
+    prepared.spawned()
+    ended = None
+    waiter = asyncio.ensure_future(process.wait())
+    waits = {waiter}
+    if cancel is not None:
+        cancelled = asyncio.ensure_future(cancel.wait())
+        waits.add(cancelled)
+    try:
+        done, _ = await asyncio.wait(waits, timeout=prepared.limits.wall_seconds,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            ended = "cancelled" if cancel is not None and cancelled in done else "timed_out"
+    finally:
+        for task in waits:
+            if task is not waiter:
+                task.cancel()
+        if process.returncode is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # bwrap; its pid namespace ends with it
+            except ProcessLookupError:
+                pass
+            await process.wait()
+        # Whatever is left in the cgroup (nothing, once the namespace is gone) is killed too.
+        if not prepared.cleanup(timeout=0):
+            await asyncio.to_thread(prepared.cleanup)
+    return process.returncode, ended, prepared
 
 
 async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | None) -> Outcome:
@@ -282,42 +358,11 @@ async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRu
         env.update(codex.env, CODEX_HOME=os.path.join(directory, ".codex"))
     out_fd, err_fd = _open_log(ctx, job, "stdout.log"), _open_log(ctx, job, "stderr.log")
     try:
-        prepared = launch.prepare(profile, _job_values(ctx, job), argv, bwrap=ctx.bwrap,
-                                  name=ctx.cgroup_name, extra_env=env)
-        _add_read_only(prepared, len(argv), [os.path.join(directory, "skills")])
+        returncode, ended, prepared = await _in_job_sandbox(
+            ctx, job, profile, argv, env, out_fd, err_fd, cancel, read_only=("skills",))
         keep = prepared.compiled.keep
-        try:
-            process = await asyncio.create_subprocess_exec(
-                *prepared.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out_fd, stderr=err_fd,
-                **prepared.spawn_kwargs(),
-            )
-        except BaseException:
-            prepared.cleanup()
-            raise
-        prepared.spawned()
-        state = None
-        waiter = asyncio.ensure_future(process.wait())
-        cancelled = asyncio.ensure_future(cancel.wait())
-        try:
-            done, _ = await asyncio.wait({waiter, cancelled}, timeout=prepared.limits.wall_seconds,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if waiter not in done:
-                state = "cancelled" if cancelled in done else "timed_out"
-        finally:
-            cancelled.cancel()
-            if process.returncode is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)  # bwrap; its pid namespace ends with it
-                except ProcessLookupError:
-                    pass
-                await process.wait()
-            waiter.cancel()
-            # Whatever is left in the cgroup (nothing, once the namespace is gone) is killed too.
-            if not prepared.cleanup(timeout=0):
-                await asyncio.to_thread(prepared.cleanup)
-        exit_code, signum = launch.exit_status(process.returncode)
-        if state is None:
-            state = "succeeded" if process.returncode == 0 else "failed"
+        exit_code, signum = launch.exit_status(returncode)
+        state = ended or ("succeeded" if returncode == 0 else "failed")
         return Outcome(
             state=state,
             exit_code=exit_code if state in ("succeeded", "failed") else None,
@@ -386,20 +431,24 @@ def summarize_patch(fd: int) -> dict:
             "not_carried": only}
 
 
+def _read_small(ctx: Context, rel: str, limit: int = 65536) -> str:
+    try:
+        fd = _open_regular(ctx, rel)
+    except (OSError, workspace_paths.PathOutsideRoot):
+        return ""
+    try:
+        return os.read(fd, limit).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
 async def make_patch(ctx: Context, job: Any, partial: bool) -> dict:
     """Write ``change.patch`` in the job sandbox and record what it holds."""
-    step = _step_profile(ctx.job_profile)
-    ran = await run_command(
-        {"argv": ["/bin/sh", "-c", DIFF_SCRIPT, "diff", job_dir(ctx, job)], "cwd": job.workspace},
-        agent_root=ctx.agent_root,
-        profile=step,
-        values=_job_values(ctx, job),
-        spill_dir=os.path.join(ctx.agent_root, job.workspace, "temp"),
-        output_limit=ctx.output_limit,
-        bwrap=ctx.bwrap,
-    )
-    special = [line for line in ran["stdout"].splitlines() if line]
-    warnings = ran["stderr"][-2048:]
+    returncode, ended, _ = await _in_job_sandbox(
+        ctx, job, _step_profile(ctx.job_profile), ["/bin/sh", "-c", DIFF_SCRIPT, "diff", job_dir(ctx, job)],
+        {}, subprocess.DEVNULL, subprocess.DEVNULL, None)
+    special = [line for line in _read_small(ctx, os.path.join(job.workspace, "temp", "not-carried.txt")).splitlines() if line]
+    warnings = _read_small(ctx, os.path.join(job.workspace, "temp", "diff-errors.txt"))[-2048:]
     try:
         fd = _open_regular(ctx, os.path.join(job.workspace, "change.patch"))
     except (OSError, workspace_paths.PathOutsideRoot) as e:
@@ -412,8 +461,8 @@ async def make_patch(ctx: Context, job: Any, partial: bool) -> dict:
         os.close(fd)
     summary["not_carried"] = sorted(set(summary["not_carried"]) | set(special))
     summary["partial"] = partial
-    if ran["exit_code"] not in (0, 1) or ran["timed_out"]:
-        summary["warnings"] = warnings or f"diff ended with {ran['exit_code']}"
+    if ended or returncode not in (0, 1):
+        summary["warnings"] = warnings or f"diff ended with {returncode}" + (f" ({ended})" if ended else "")
     elif warnings:
         summary["warnings"] = warnings
     return summary
