@@ -450,6 +450,9 @@ class JobManager:
             job.skipped, job.patch = outcome.skipped, outcome.patch
         except GatewayError as e:
             job.state, job.error = "failed", e.message
+        except (OSError, workspace_paths.PathOutsideRoot) as e:
+            # The agent owns jobs/<id>: a part swapped for a symlink or removed is refused, not followed.
+            job.state, job.error = "failed", f"the job's workspace changed under it and was refused: {e}"
         except Exception as e:  # a bug must not leave the job running forever
             log.exception("job %s failed", job.id)
             job.state, job.error = "failed", f"internal error: {type(e).__name__}: {e}"
