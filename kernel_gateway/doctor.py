@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -324,7 +325,19 @@ def check_caps() -> Check:
     return Check("process and memory caps", True, mechanism)
 
 
-def run_checks(bwrap: str | None = None) -> list[Check]:
+def check_codex(path: str) -> Check:
+    """The Codex CLI that codex background jobs run (--Gateway.codex_command)."""
+    fix = "npm install @openai/codex and name its native binary with --Gateway.codex_command"
+    try:
+        result = _run([path, "--version"], timeout=30)
+    except OSError as e:
+        return Check("codex", False, f"cannot run {path}: {e.strerror}", fix)
+    if result.returncode != 0:
+        return Check("codex", False, f"{path} --version failed: {result.stderr.strip()[-300:]}", fix)
+    return Check("codex", True, f"{result.stdout.strip()} at {os.path.realpath(path)} (runs codex jobs)")
+
+
+def run_checks(bwrap: str | None = None, codex: str | None = None) -> list[Check]:
     """Every check, in order; later sandbox checks are left out once one fails."""
     python = sys.executable
     bwrap_check, path = check_bwrap(bwrap)
@@ -340,6 +353,9 @@ def run_checks(bwrap: str | None = None) -> list[Check]:
                 checks.append(check_kernel(path, python))
                 checks.extend(check_walls(path, python))
     checks += [check_caps(), check_cpu(), check_disk_quota()]
+    codex = codex or shutil.which("codex")
+    if codex:  # codex jobs are optional: reported when a binary is named or on PATH
+        checks.append(check_codex(codex))
     return checks
 
 
@@ -356,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="kernel-gateway doctor", description="Check that sandboxed kernels can work here."
     )
     parser.add_argument("--bwrap", metavar="PATH", help="bwrap to check (default: the one on PATH)")
+    parser.add_argument("--codex", metavar="PATH", help="the Codex binary of codex jobs (default: codex on PATH)")
     parser.add_argument("--json", action="store_true", help="print the checks as a JSON list")
     args = parser.parse_args(argv)
-    checks = run_checks(args.bwrap)
+    checks = run_checks(args.bwrap, args.codex)
     if args.json:
         print(json.dumps([asdict(check) for check in checks], indent=2))
     else:

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kernel_gateway import doctor
 
 NAMES = [
@@ -140,3 +142,16 @@ def test_python_without_ipykernel_is_named():
         "ModuleNotFoundError: No module named 'ipykernel'"
     )
     assert "install ipykernel there" in check.fix
+
+
+CODEX = os.path.join(REPO, ".reference", "bin", "codex")
+
+
+@pytest.mark.skipif(not os.path.exists(CODEX), reason="no Codex binary: run tests/apply_patch/get_reference.sh")
+def test_codex_of_codex_jobs_is_reported_when_named():
+    result = doctor_cli("--codex", CODEX)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.splitlines()[-1] == f"OK    codex: codex-cli 0.171.0 at {os.path.realpath(CODEX)} (runs codex jobs)"
+    missing = doctor_cli("--codex", "/nonexistent/codex")
+    assert missing.returncode == 1
+    assert missing.stdout.splitlines()[-2] == "FAIL  codex: cannot run /nonexistent/codex: No such file or directory"

@@ -394,3 +394,59 @@ def test_malformed_bodies_and_bad_ids(gw):
     assert status == 404 and body["error"]["code"] == "unknown_agent"
     status, body = gw.client.call("POST", "/v1/agents/alice/jobs/0123456789ab/apply", {"force": True})
     assert status == 400 and body["error"]["code"] == "unknown_field"
+
+
+# --- jlk ---------------------------------------------------------------------------
+
+
+JLK = str(pathlib.Path(__file__).resolve().parent.parent / "skills" / "jupyter-live-kernel" / "scripts" / "jlk")
+
+
+def jlk(gw, *args, agent="alice"):
+    return subprocess.run(["python3", JLK, "--socket", gw.socket, "--agent", agent, *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_jlk_job_run_wait_patch_apply_and_exit_codes(gw, tmp_path):
+    rel, repo = make_repo(gw, files={"calc.py": "def add(a, b):\n    return a - b\n"})
+    ran = jlk(gw, "job", "run", "--from", rel, "--wait", "--command",
+              "sed -i 's/a - b/a + b/' calc.py && python3 -c 'import calc; assert calc.add(2, 3) == 5' && echo tests pass")
+    assert ran.returncode == 0, ran.stderr
+    first = ran.stdout.splitlines()
+    assert first[0].startswith("job ") and first[0].endswith(f" command succeeded (exit 0) from {rel}")
+    assert "    calc.py" in first and "    tests pass" in first
+    job_id = first[0].split()[1]
+
+    patch = jlk(gw, "job", "patch", job_id)
+    assert patch.returncode == 0 and patch.stdout.startswith("diff -ruN")
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(repo), str(copy)], check=True)
+    subprocess.run(["patch", "-p1", "-s"], input=patch.stdout, text=True, cwd=copy, check=True)
+    assert (copy / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"
+
+    applied = jlk(gw, "job", "apply", job_id)
+    assert applied.returncode == 0 and applied.stdout == f"applied job {job_id}: 1 file(s)\n    calc.py\n"
+    again = jlk(gw, "job", "apply", job_id)
+    assert again.returncode == 2 and "changed since the job copied them: calc.py" in again.stderr
+
+    failed = jlk(gw, "job", "run", "--from", rel, "--wait", "--command", "exit 7")
+    assert failed.returncode == 1 and "failed (exit 7)" in failed.stdout
+    timed = jlk(gw, "job", "run", "--from", rel, "--wait", "--wall", "1", "--command", "sleep 60")
+    assert timed.returncode == 124 and "timed_out" in timed.stdout
+    listed = jlk(gw, "job", "list")
+    assert listed.returncode == 0 and listed.stdout.split()[:6] == ["id", "kind", "state", "from", "age", "files"]
+
+    started = jlk(gw, "job", "run", "--from", rel, "--command", "sleep 31347")
+    assert started.returncode == 0, started.stderr
+    started_id = started.stdout.split()[1]
+    assert jlk(gw, "job", "cancel", started_id).returncode == 0
+    assert jlk(gw, "job", "wait", started_id).returncode == 5
+
+
+def test_jlk_job_bad_usage(gw):
+    for args, message in ((["job", "show"], "needs the job's id"),
+                          (["job", "run", "--from", "user-files"], "--command LINE"),
+                          (["job", "run", "--from", "x", "--command", "a", "--objective", "b"], "one of them"),
+                          (["job", "show", "nothex"], "invalid job id")):
+        done = jlk(gw, *args)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
