@@ -267,6 +267,7 @@ class JobManager:
         self.jobs: dict[str, Job] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel: dict[str, asyncio.Event] = {}
+        self._ended: dict[str, asyncio.Event] = {}  # set when an active job ends
         self._seq = 0
         self._stopping = False
 
@@ -278,6 +279,8 @@ class JobManager:
         for job in self.store.load_all():
             self.jobs[job.id] = job
             self._seq = max(self._seq, job.seq)
+            if job.state == "queued":
+                self._ended[job.id] = asyncio.Event()
             if job.state == "running":
                 job.state, job.ended = "lost", time.time()
                 job.error = "the gateway stopped while this job ran; its processes ended with it"
@@ -332,6 +335,7 @@ class JobManager:
         job = Job(id=secrets.token_hex(6), agent=agent, kind=kind, source=source, seq=self._seq,
                   created=time.time(), command=command, objective=objective, limits=limits, env=env)
         self.jobs[job.id] = job
+        self._ended[job.id] = asyncio.Event()
         self.store.save(job)
         self._schedule()
         return self.render(job)
@@ -355,6 +359,7 @@ class JobManager:
         if job.state == "queued":
             job.state, job.ended = "cancelled", time.time()
             self.store.save(job)
+            self._ended.pop(job.id).set()
         elif job.state == "running":
             self._cancel[job.id].set()
         else:
@@ -363,7 +368,10 @@ class JobManager:
 
     async def wait(self, agent: str, job_id: str) -> dict:
         job = self.get(agent, job_id)
-        task = self._tasks.get(job.id)
+        ended = self._ended.get(job.id)
+        if ended is not None:
+            await ended.wait()
+        task = self._tasks.get(job.id)  # a lost job's salvage, or a run finishing its record
         if task is not None:
             await asyncio.shield(task)
         return self.render(job)
@@ -462,6 +470,8 @@ class JobManager:
                 self.store.save(job)
             self._tasks.pop(job.id, None)
             self._cancel.pop(job.id, None)
+            if not self._stopping and job.id in self._ended:
+                self._ended.pop(job.id).set()
             self._schedule()
 
     async def _salvage(self, job: Job) -> None:

@@ -255,7 +255,8 @@ def test_two_jobs_of_one_agent_run_one_after_the_other(gw):
     first = submit(gw, {"kind": "command", "from": rel, "command": "sleep 2; echo first"})
     second = submit(gw, {"kind": "command", "from": rel, "command": "echo second"})
     assert second["state"] == "queued"
-    first, second = wait(gw, first), wait(gw, second)
+    second = wait(gw, second)  # waiting on a queued job waits until it has run
+    first = wait(gw, first)
     assert first["state"] == second["state"] == "succeeded"
     assert second["started"] >= first["ended"]
     ids = [j["id"] for j in gw.client.call("GET", "/v1/agents/alice/jobs")[1]["jobs"]]
