@@ -425,6 +425,38 @@ def measure_command(gw: Gateway, n: int, results: dict) -> None:
     results["command_overhead_ms"] = ms(percentile(via, 50) - percentile(bare, 50))
 
 
+def measure_jobs(gw: Gateway, base: str, n: int, results: dict) -> None:
+    """A background job of /bin/true on 20 small files, submit to ended, against the same steps bare."""
+    log(f"job overhead: {n} x a /bin/true job, through the socket and bare (cp, true, diff)")
+    gw.agent("jobs")
+    source = os.path.join(gw.dir, "agents", "jobs", "user-files", "src")
+    os.makedirs(source)
+    for i in range(20):
+        with open(os.path.join(source, f"f{i}.txt"), "w") as f:
+            f.write("line\n" * 100)
+    bare, via = [], []
+    for i in range(n + 2):  # interleaved; the first 2 of each are warm-up
+        work = os.path.join(base, f"bare-job-{i}")
+        started = time.perf_counter()
+        os.makedirs(work)
+        subprocess.run(["cp", "-a", source, os.path.join(work, "tree")])
+        subprocess.run(["cp", "-a", source, os.path.join(work, "base")])
+        subprocess.run(["/bin/true"])
+        with open(os.path.join(work, "change.patch"), "wb") as out:
+            subprocess.run(["diff", "-ruN", "base", "tree"], cwd=work, stdout=out)
+        bare.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        job = gw.client.ok("POST", "/v1/agents/jobs/jobs", {"kind": "command", "from": "user-files/src", "argv": ["/bin/true"]})
+        job = gw.client.ok("GET", f"/v1/agents/jobs/jobs/{job['id']}?wait=1")
+        via.append(time.perf_counter() - started)
+        if job["state"] != "succeeded":
+            raise RuntimeError(f"the benchmark job failed: {job}")
+    bare, via = bare[2:], via[2:]
+    results["bare_job_steps_ms"] = ms(percentile(bare, 50))
+    results["job_true_ms"] = ms(percentile(via, 50))
+    results["job_overhead_ms"] = ms(percentile(via, 50) - percentile(bare, 50))
+
+
 def measure_memory(base: str, idle: int, results: dict) -> None:
     log(f"memory: gateway RSS over {idle} idle sessions, one kernel's RSS, a 100 MB cell")
     gw = Gateway(base, "memory", "--Gateway.spare_kernels=False", f"--Gateway.max_sessions_per_agent={idle + 2}")
@@ -494,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             measure_execute(gw, n_rtt, results)
             measure_cli(gw, n_cli, results)
             measure_command(gw, n_cmd, results)
+            measure_jobs(gw, base, 5 if quick else 10, results)
             measure_throughput(gw, 2.0 if quick else 4.0, results)
             measure_spare_start(gw, n_spare, results)
             measure_cpu_fairness(gw, n_rtt // 4, results)
