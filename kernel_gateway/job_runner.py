@@ -228,7 +228,12 @@ async def copy_in(ctx: Context, job: Any, config_toml: str = "") -> list:
         stdin=config_toml,
     )
     if ran["exit_code"] != 0 or ran["timed_out"]:
-        why = "it took too long" if ran["timed_out"] else (ran["stderr"].strip().splitlines() or ["?"])[-1]
+        if ran["timed_out"]:
+            why = "it took too long"
+        elif ran["signal"] == "SIGXFSZ":
+            why = "a file in it is over the file-size limit"
+        else:
+            why = (ran["stderr"].strip().splitlines() or [f"exit {ran['exit_code']}"])[-1]
         raise GatewayError(500, "copy_failed", f"copying {job.source!r} into the job failed: {why}")
     try:
         return json.loads(ran["stdout"].strip().splitlines()[-1])
