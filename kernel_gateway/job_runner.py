@@ -410,30 +410,70 @@ def _open_regular(ctx: Context, rel: str) -> int:
     return fd
 
 
+_HUNK = re.compile(rb"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+
+
+class PatchSummary:
+    """Reads a ``diff -ruN base tree`` output line by line: SHA-256, size, touched files.
+
+    Hunk bodies are skipped by their line counts, so a changed line that reads
+    like a header (an added line ``++ tree/x`` shows as ``+++ tree/x``) is not
+    taken for one.
+    """
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.size = 0
+        self.files: list[str] = []
+        self.binary: list[str] = []
+        self.only: list[str] = []
+        self._old = self._new = 0  # lines left in the current hunk
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        self.size += len(chunk)
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            self._line(line)
+
+    def _line(self, raw: bytes) -> None:
+        if self._old > 0 or self._new > 0:
+            tag = raw[:1]
+            if tag in (b" ", b""):
+                self._old, self._new = self._old - 1, self._new - 1
+            elif tag == b"-":
+                self._old -= 1
+            elif tag == b"+":
+                self._new -= 1
+            return  # "\ No newline at end of file" and the rest of a hunk
+        if (m := _HUNK.match(raw)) is not None:
+            self._old = int(m.group(1) or 1)
+            self._new = int(m.group(2) or 1)
+            return
+        line = raw.decode("utf-8", "surrogateescape")
+        if line.startswith("+++ tree/"):
+            self.files.append(line[len("+++ tree/"):].split("\t")[0])
+        elif m := _BINARY.match(line):
+            self.binary.append(m.group(2))
+        elif m := _ONLY_IN.match(line):
+            self.only.append(os.path.join(m.group(1) + (m.group(2) or ""), m.group(3)))
+
+    def result(self) -> dict:
+        if self._pending:
+            self._line(self._pending)
+            self._pending = b""
+        return {"bytes": self.size, "sha256": self.digest.hexdigest(), "files": self.files,
+                "binary_files": self.binary, "not_carried": self.only}
+
+
 def summarize_patch(fd: int) -> dict:
     """SHA-256, size and touched files of a ``diff -ruN base tree`` output, read from ``fd``."""
-    digest, size, files, binary, only = hashlib.sha256(), 0, [], [], []
-    pending = b""
-    while True:
-        chunk = os.read(fd, 1 << 16)
-        digest.update(chunk)
-        size += len(chunk)
-        lines = (pending + chunk).split(b"\n")
-        pending = lines.pop() if chunk else b""
-        for raw in lines:
-            if not (raw.startswith(b"+++ tree/") or raw.startswith(b"Binary files ") or raw.startswith(b"Only in ")):
-                continue
-            line = raw.decode("utf-8", "surrogateescape")
-            if line.startswith("+++ tree/"):
-                files.append(line[len("+++ tree/"):].split("\t")[0])
-            elif m := _BINARY.match(line):
-                binary.append(m.group(2))
-            elif m := _ONLY_IN.match(line):
-                only.append(os.path.join(m.group(1) + (m.group(2) or ""), m.group(3)))
-        if not chunk:
-            break
-    return {"bytes": size, "sha256": digest.hexdigest(), "files": files, "binary_files": binary,
-            "not_carried": only}
+    summary = PatchSummary()
+    while chunk := os.read(fd, 1 << 16):
+        summary.feed(chunk)
+    return summary.result()
 
 
 def _read_small(ctx: Context, rel: str, limit: int = 65536) -> str:

@@ -7,6 +7,7 @@ moment.  The gateway must then refuse, never act on what the symlink points at.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import pathlib
 
@@ -88,3 +89,36 @@ def test_logs_swapped_for_symlinks_are_refused(setup):
     with pytest.raises((OSError, PathOutsideRoot)):
         asyncio.run(job_runner.run_main(ctx, job, asyncio.Event(), None))
     assert (bob_files / "private.txt").read_text() == "bob's\n"
+
+
+def summarize(text: bytes) -> dict:
+    summary = job_runner.PatchSummary()
+    for i in range(0, len(text), 7):  # in small chunks: lines cut across reads
+        summary.feed(text[i:i + 7])
+    return summary.result()
+
+
+def test_patch_summary_is_not_fooled_by_lines_that_look_like_headers():
+    patch = (
+        b"diff -ruN --no-dereference base/a.txt tree/a.txt\n"
+        b"--- base/a.txt\t2026-01-01 00:00:00.000000000 +0000\n"
+        b"+++ tree/a.txt\t2026-01-01 00:00:01.000000000 +0000\n"
+        b"@@ -1,2 +1,3 @@\n"
+        b" keep\n"
+        b"-- base/evil\n"
+        b"+++ tree/evil\n"
+        b"+Binary files base/x and tree/x differ\n"
+        b"\\ No newline at end of file\n"
+        b"Binary files base/img.png and tree/img.png differ\n"
+        b"Only in tree: fifo\n"
+        b"diff -ruN --no-dereference base/new file.txt tree/new file.txt\n"
+        b"--- base/new file.txt\t1970-01-01 00:00:00.000000000 +0000\n"
+        b"+++ tree/new file.txt\t2026-01-01 00:00:01.000000000 +0000\n"
+        b"@@ -0,0 +1 @@\n"
+        b"+x"
+    )
+    result = summarize(patch)
+    assert result["files"] == ["a.txt", "new file.txt"]
+    assert result["binary_files"] == ["img.png"] and result["not_carried"] == ["tree/fifo"]
+    assert result["bytes"] == len(patch)
+    assert result["sha256"] == hashlib.sha256(patch).hexdigest()
