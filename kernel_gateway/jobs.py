@@ -361,7 +361,8 @@ class JobManager:
             self.store.save(job)
             self._ended.pop(job.id).set()
         elif job.state == "running":
-            self._cancel[job.id].set()
+            if job.id in self._cancel:
+                self._cancel[job.id].set()
         else:
             raise conflict(f"job {job_id} has already ended ({job.state})", code="job_ended")
         return self.render(job)

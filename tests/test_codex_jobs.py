@@ -36,7 +36,7 @@ def test_codex_job_edits_the_tree_and_ends_with_its_last_message(tmp_path, monke
         seen["tools"] = tool_names(body)
         seen["prompt"] = json.dumps(body.get("input"))
         return tool_call_turn("resp-1", "call-1", "exec_command",
-                              {"cmd": "printf 'hello, world\\n' > greeting.txt"})
+                              {"cmd": "printf 'hello, world\\n' > greeting.txt && echo niceness=$(nice) home=$CODEX_HOME"})
 
     def second(body):
         seen["outputs"] = [i for i in body["input"] if i.get("type") == "function_call_output"]
@@ -61,7 +61,7 @@ def test_codex_job_edits_the_tree_and_ends_with_its_last_message(tmp_path, monke
             status, job = gw.client.call("GET", f"/v1/agents/alice/jobs/{job['id']}?wait=1", timeout=300)
             assert status == 200
             assert job["state"] == "succeeded", job
-            assert FINAL in job["stdout_tail"]
+            assert job["stdout_tail"] == FINAL + "\n"  # Codex's last message is its stdout
             assert job["patch"]["files"] == ["greeting.txt"] and job["patch"]["binary_files"] == []
             status, patch = gw.client.call("GET", f"/v1/agents/alice/jobs/{job['id']}/patch")
             hunks = [line for line in patch.decode().splitlines() if line[:1] in "+-@ " and not line.startswith(("+++", "---"))]
@@ -72,6 +72,8 @@ def test_codex_job_edits_the_tree_and_ends_with_its_last_message(tmp_path, monke
             assert "make in its files the change this objective asks" in seen["prompt"]
             assert "Make greeting.txt say hello, world." in seen["prompt"]
             assert [o["call_id"] for o in seen["outputs"]] == ["call-1"]
+            # Codex ran the line niced, with its home in the job (what Codex returned to the model).
+            assert f"niceness=10 home={job['workspace']}/.codex" in seen["outputs"][0]["output"]
             headers = {k.lower(): v for k, v in model.requests[0]["headers"].items()}
             assert headers.get("authorization") == f"Bearer {KEY}"
 
