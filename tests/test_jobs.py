@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 import signal
 import subprocess
+import sys
 import uuid
 
 import pytest
@@ -451,3 +453,67 @@ def test_jlk_job_bad_usage(gw):
                           (["job", "show", "nothex"], "invalid job id")):
         done = jlk(gw, *args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+# --- operator configuration ----------------------------------------------------------
+
+
+def test_an_agents_own_job_profile_sets_its_limits(tmp_path):
+    profile = json.loads((pathlib.Path(__file__).resolve().parent.parent / "kernel_gateway" / "sandbox" /
+                          "profiles" / "job.json").read_text())
+    profile["limits"]["wall"] = "5s"
+    path = tmp_path / "short-job.json"
+    path.write_text(json.dumps(profile))
+    gw = GatewayProcess(tmp_path, f"--Gateway.agent_profiles={json.dumps({'alice': {'job': str(path)}})}").start()
+    try:
+        for agent in ("alice", "bob"):
+            gw.client.call("PUT", f"/v1/agents/{agent}")
+        rel, _ = make_repo(gw)
+        status, body = gw.client.call("POST", "/v1/agents/alice/jobs",
+                                      {"kind": "command", "from": rel, "command": "true", "limits": {"wall": "10s"}})
+        assert status == 400 and body["error"]["message"] == "limits.wall 10s is above the job profile's 5s"
+        job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command": "true"}))
+        assert job["limits"]["wall"] == 5.0 and job["state"] == "succeeded"
+        rel_b, _ = make_repo(gw, "bob")
+        assert submit(gw, {"kind": "command", "from": rel_b, "command": "true"}, agent="bob")["limits"]["wall"] == 7200.0
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize("option, message", [
+    ('--Gateway.model_profiles={"heavy": {"model": "m"}}', "'base_url' must be a non-empty string"),
+    ('--Gateway.model_profiles={"heavy": {"model": "m", "base_url": "ftp://x"}}', "base_url must be an http(s) URL"),
+    ('--Gateway.model_profiles={"heavy": {"model": "m", "base_url": "http://x", "wire_api": "chat"}}',
+     "wire_api must be 'responses'"),
+    ('--Gateway.model_profiles={"heavy": {"model": "m", "base_url": "http://x", "key": "sk-1"}}', "unknown field 'key'"),
+    ('--Gateway.agent_profiles={"alice": {"jobs": "x"}}', "must map 'kernel', 'command' and/or 'job'"),
+    ("--Gateway.job_profile=/nonexistent.json", "cannot read /nonexistent.json"),
+])
+def test_bad_job_settings_stop_the_gateway_at_start(tmp_path, option, message):
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "kernel-gateway"), "serve",
+                           "--root", str(tmp_path / "agents"), "--state-dir", str(tmp_path / "state"), option],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+def test_codex_jobs_need_a_codex_binary(tmp_path, monkeypatch):
+    models = {"heavy": {"model": "gpt-5-codex", "base_url": "http://127.0.0.1:9/v1", "env_key": "SOME_KEY"}}
+    gw = GatewayProcess(tmp_path, f"--Gateway.model_profiles={json.dumps(models)}",
+                        "--Gateway.codex_command=/nonexistent/codex").start()
+    try:
+        gw.client.call("PUT", "/v1/agents/alice")
+        rel, _ = make_repo(gw)
+        body = {"kind": "codex", "from": rel, "objective": "x"}
+        status, error = gw.client.call("POST", "/v1/agents/alice/jobs", body)
+        assert status == 409 and error["error"]["code"] == "model_key_missing"  # SOME_KEY is not set
+    finally:
+        gw.stop()
+    monkeypatch.setenv("SOME_KEY", "k")
+    gw.start()
+    try:
+        status, error = gw.client.call("POST", "/v1/agents/alice/jobs", body)
+        assert status == 409 and error["error"]["code"] == "codex_unavailable"
+        assert gw.client.call("GET", "/v1/agents/alice/jobs")[1] == {"jobs": []}
+        assert os.listdir(os.path.join(gw.root, "alice", "jobs")) == []
+    finally:
+        gw.stop()
