@@ -501,7 +501,12 @@ async def make_patch(ctx: Context, job: Any, partial: bool) -> dict:
                 "partial": partial, "error": f"no change.patch: {getattr(e, 'strerror', None) or e}",
                 "warnings": warnings}
     try:
-        summary = summarize_patch(fd)
+        size = os.fstat(fd).st_size
+        if size > ctx.patch_limit:  # the agent may have put any file there; never read it all
+            return {"bytes": size, "sha256": None, "files": [], "binary_files": [], "not_carried": special,
+                    "partial": partial, "error": f"change.patch is over the limit of {ctx.patch_limit} bytes",
+                    "warnings": warnings}
+        summary = await asyncio.to_thread(summarize_patch, fd)  # hashing 64 MiB is not for the event loop
     finally:
         os.close(fd)
     summary["not_carried"] = sorted(set(summary["not_carried"]) | set(special))

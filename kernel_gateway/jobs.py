@@ -387,8 +387,11 @@ class JobManager:
 
     def patch_bytes(self, agent: str, job_id: str) -> tuple[bytes, dict]:
         job = self.get(agent, job_id)
-        if job.patch is None or job.patch.get("sha256") is None:
-            raise conflict(f"job {job_id} has no patch ({job.state})", "wait until it ends", code="no_patch")
+        if job.patch is None:
+            raise conflict(f"job {job_id} has no patch yet ({job.state})", "wait until it ends", code="no_patch")
+        if job.patch.get("sha256") is None:
+            raise conflict(f"job {job_id} has no usable patch: {job.patch.get('error')}",
+                           f"look at the job's files in {job.workspace}/", code="no_patch")
         data = job_runner.read_patch(self._context(job), job, self.settings.job_patch_limit)
         return data, job.patch
 

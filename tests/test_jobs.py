@@ -517,3 +517,20 @@ def test_codex_jobs_need_a_codex_binary(tmp_path, monkeypatch):
         assert os.listdir(os.path.join(gw.root, "alice", "jobs")) == []
     finally:
         gw.stop()
+
+
+def test_a_patch_over_the_limit_is_recorded_without_being_read(tmp_path):
+    gw = GatewayProcess(tmp_path, "--Gateway.job_patch_limit=1000").start()
+    try:
+        gw.client.call("PUT", "/v1/agents/alice")
+        rel, _ = make_repo(gw)
+        job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command": "seq 1000 > numbers.txt"}))
+        assert job["state"] == "succeeded"
+        assert job["patch"]["sha256"] is None and job["patch"]["bytes"] > 1000
+        assert "over the limit of 1000 bytes" in job["patch"]["error"]
+        status, body = gw.client.call("GET", f"/v1/agents/alice/jobs/{job['id']}/patch")
+        assert status == 409 and body["error"]["code"] == "no_patch"
+        status, body = gw.client.call("POST", f"/v1/agents/alice/jobs/{job['id']}/apply")
+        assert status == 409 and body["error"]["code"] == "no_patch"
+    finally:
+        gw.stop()
