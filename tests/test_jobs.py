@@ -534,3 +534,13 @@ def test_a_patch_over_the_limit_is_recorded_without_being_read(tmp_path):
         assert status == 409 and body["error"]["code"] == "no_patch"
     finally:
         gw.stop()
+
+
+def test_full_logs_stay_in_the_workspace_bounded_by_the_file_size_limit(gw):
+    rel, _ = make_repo(gw)
+    job = wait(gw, submit(gw, {"kind": "command", "from": rel, "limits": {"file_size": "1M"},
+                               "command": "echo to-stderr >&2; head -c 3000000 /dev/zero | tr '\\0' x"}))
+    assert job["state"] == "failed" and job["exit_code"] == 153  # tr got SIGXFSZ at the limit
+    log = pathlib.Path(job["workspace"]) / "stdout.log"
+    assert log.stat().st_size == 1 << 20
+    assert job["stdout_tail"] == "x" * 4096 and job["stderr_tail"].startswith("to-stderr\n")
