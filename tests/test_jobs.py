@@ -174,12 +174,16 @@ def test_a_job_sees_only_its_own_workspace(gw):
     (pathlib.Path(root) / "user-files" / "secret.txt").write_text("secret\n")
     targets = [f"{root}/user-files/secret.txt", f"{root}/{rel}", f"{root}/SOUL.md", f"{gw.root}/bob", gw.state,
                f"{gw.state}/control.sock", "/run/kernel-gateway.sock", "/root/.bashrc", "/etc/shadow"]
+    skill = pathlib.Path(root) / "installed-skills" / "demo"
+    skill.mkdir(parents=True, exist_ok=True)
+    (skill / "SKILL.md").write_text("# demo skill\n")
     checks = "; ".join(f"test -e '{t}' && echo 'SEEN {t}'" for t in targets)
     job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command":
-                               f"{checks}; ls {root}/jobs; id -u; pwd"}))
+                               f"{checks}; ls {root}/jobs; id -u; pwd; cat ../skills/demo/SKILL.md; "
+                               "touch ../skills/new 2>/dev/null && echo SEEN-writable-skills; true"}))
     lines = job["stdout_tail"].splitlines()
     assert not [line for line in lines if line.startswith("SEEN")], lines
-    assert lines == [job["id"], "1000", os.path.join(job["workspace"], "tree")]
+    assert lines == [job["id"], "1000", os.path.join(job["workspace"], "tree"), "# demo skill"]
 
 
 OPEN_FDS = "import os\nopen_fds = []\nfor fd in range(4096):\n    try:\n        os.fstat(fd)\n        open_fds.append(fd)\n    except OSError:\n        pass\nprint(open_fds)"
