@@ -268,6 +268,7 @@ class JobManager:
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel: dict[str, asyncio.Event] = {}
         self._ended: dict[str, asyncio.Event] = {}  # set when an active job ends
+        self._apply_locks: dict[str, asyncio.Lock] = {}
         self._seq = 0
         self._stopping = False
 
@@ -396,12 +397,17 @@ class JobManager:
         return data, job.patch
 
     async def apply(self, agent: str, job_id: str) -> dict:
-        data, patch = self.patch_bytes(agent, job_id)
-        job = self.jobs[job_id]
-        result = await job_runner.apply_patch(self._context(job), job, data)
-        job.applied = time.time()
-        self.store.save(job)
-        return result
+        job = self.get(agent, job_id)
+        # One apply at a time per agent: two applies into one directory must not interleave.
+        async with self._apply_locks.setdefault(agent, asyncio.Lock()):
+            if job.applied is not None:
+                raise conflict(f"job {job_id} was applied already", "run a new job for a new change",
+                               code="already_applied")
+            data, _ = self.patch_bytes(agent, job_id)
+            result = await job_runner.apply_patch(self._context(job), job, data)
+            job.applied = time.time()
+            self.store.save(job)
+            return result
 
     # --- running ------------------------------------------------------------------
 

@@ -140,6 +140,21 @@ def test_apply_applies_the_whole_patch_and_binary_files(gw):
     assert (repo / "a.txt").read_text() == "ONE\n" and not (repo / "b.txt").exists()
     assert (repo / "new/dir/c.txt").read_text() == "c\n" and (repo / "img.bin").read_bytes() == b"\x00\x02"
     assert gw.client.call("GET", f"/v1/agents/alice/jobs/{job['id']}")[1]["applied"] is not None
+    before = tree_digest(str(repo))
+    status, body = gw.client.call("POST", f"/v1/agents/alice/jobs/{job['id']}/apply")
+    assert status == 409 and body["error"]["code"] == "already_applied"
+    assert tree_digest(str(repo)) == before
+
+
+def test_two_applies_at_once_apply_once(gw):
+    import concurrent.futures
+
+    rel, repo = make_repo(gw, files={"a.txt": "one\n"})
+    job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command": "echo ONE > a.txt"}))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: gw.client.call("POST", f"/v1/agents/alice/jobs/{job['id']}/apply"), range(4)))
+    assert sorted(status for status, _ in answers) == [200, 409, 409, 409], answers
+    assert (repo / "a.txt").read_text() == "ONE\n"
 
 
 def test_apply_after_a_conflicting_change_is_409_and_changes_nothing(gw):
@@ -434,7 +449,7 @@ def test_jlk_job_run_wait_patch_apply_and_exit_codes(gw, tmp_path):
     applied = jlk(gw, "job", "apply", job_id)
     assert applied.returncode == 0 and applied.stdout == f"applied job {job_id}: 1 file(s)\n    calc.py\n"
     again = jlk(gw, "job", "apply", job_id)
-    assert again.returncode == 2 and "changed since the job copied them: calc.py" in again.stderr
+    assert again.returncode == 2 and "was applied already" in again.stderr
 
     failed = jlk(gw, "job", "run", "--from", rel, "--wait", "--command", "exit 7")
     assert failed.returncode == 1 and "failed (exit 7)" in failed.stdout
