@@ -2,7 +2,8 @@
 
 1. **Copy** (command sandbox over the agent's tree, as the agent): make
    ``jobs/<id>/{tree,base,temp,skills}``, copy ``from`` into ``tree`` and
-   ``base`` and the agent's skills into ``skills``, write ``.codex/config.toml``.
+   ``base``, write ``.codex/config.toml``; then the Agent Library copies the
+   agent's enabled skills into ``skills``.
    The copy runs *inside* the sandbox so the gateway never opens the agent's
    files: a symlink pointing out, a FIFO, a device node or a huge file can
    only reach, block or fill what the agent itself could, within the
@@ -37,7 +38,7 @@ import signal
 import stat
 import subprocess
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .errors import GatewayError, conflict
 from .sandbox import launch
@@ -47,10 +48,10 @@ from .tools.command import run_command
 
 STEP_WALL = 600.0  # seconds for the copy, diff and apply steps (within their profiles' own walls)
 
-# Runs inside the command sandbox, as the agent; argv: FROM SKILLS JOB [CONFIG_PATH].
+# Runs inside the command sandbox, as the agent; argv: FROM JOB; stdin: config.toml (may be empty).
 COPY_SCRIPT = r"""
 import json, os, stat, sys
-source, skills, job = sys.argv[1:4]
+source, job = sys.argv[1:3]
 skipped = []
 KINDS = {stat.S_IFLNK: "symlink", stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket",
          stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
@@ -94,8 +95,6 @@ os.mkdir(job, 0o755)
 for name in ("tree", "base", "temp", "skills", ".codex"):
     os.mkdir(os.path.join(job, name), 0o755)
 copy_tree(source, [os.path.join(job, "tree"), os.path.join(job, "base")], "")
-if os.path.isdir(skills) and not os.path.islink(skills):
-    copy_tree(skills, [os.path.join(job, "skills")], "installed-skills")
 config = sys.stdin.read()
 if config:
     with open(os.path.join(job, ".codex", "config.toml"), "x") as f:
@@ -222,8 +221,7 @@ async def copy_in(ctx: Context, job: Any, config_toml: str = "") -> list:
     root = os.path.realpath(ctx.agent_root)
     ran = await _in_command_sandbox(
         ctx,
-        ["python3", "-I", "-c", COPY_SCRIPT, os.path.join(root, job.source),
-         os.path.join(root, "installed-skills"), job_dir(ctx, job)],
+        ["python3", "-I", "-c", COPY_SCRIPT, os.path.join(root, job.source), job_dir(ctx, job)],
         cwd=".",
         stdin=config_toml,
     )
@@ -518,9 +516,16 @@ async def make_patch(ctx: Context, job: Any, partial: bool) -> dict:
     return summary
 
 
-async def run(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | None = None) -> Outcome:
-    """Copy, run, diff: the whole life of a running job."""
+async def run(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | None = None,
+              skills: Callable[[], Any] | None = None) -> Outcome:
+    """Copy, run, diff: the whole life of a running job.
+
+    ``skills`` fills ``jobs/<id>/skills`` with the agent's enabled skills (the
+    Agent Library's ``materialize_skills``); the run step binds it read-only.
+    """
     skipped = await copy_in(ctx, job, codex.config_toml if codex else "")
+    if skills is not None:
+        skills()
     if cancel.is_set():
         outcome = Outcome(state="cancelled", error="cancelled on request")
     else:

@@ -460,7 +460,10 @@ class JobManager:
             extra = None
             if job.kind == "codex":
                 extra = codex_runner.prepare(self.settings, job)
-            outcome = await job_runner.run(ctx, job, self._cancel[job.id], codex=extra)
+            library = getattr(self.sessions, "library", None)
+            skills = None if library is None else (
+                lambda: library.materialize_skills(job.agent, ctx.agent_root, f"{job.workspace}/skills"))
+            outcome = await job_runner.run(ctx, job, self._cancel[job.id], codex=extra, skills=skills)
             if self._stopping and outcome.state == "cancelled":
                 return  # the gateway is stopping: the record says running, and reads lost next start
             job.state, job.exit_code, job.signal = outcome.state, outcome.exit_code, outcome.signal

@@ -189,16 +189,17 @@ def test_a_job_sees_only_its_own_workspace(gw):
     (pathlib.Path(root) / "user-files" / "secret.txt").write_text("secret\n")
     targets = [f"{root}/user-files/secret.txt", f"{root}/{rel}", f"{root}/SOUL.md", f"{gw.root}/bob", gw.state,
                f"{gw.state}/control.sock", "/run/kernel-gateway.sock", "/root/.bashrc", "/etc/shadow"]
-    skill = pathlib.Path(root) / "installed-skills" / "demo"
-    skill.mkdir(parents=True, exist_ok=True)
-    (skill / "SKILL.md").write_text("# demo skill\n")
+    skill_md = "---\nname: demo\ndescription: A demo skill.\n---\n# demo skill\n"
+    status, body = gw.client.call("PUT", "/v1/agents/alice/skills/demo", {"files": {"SKILL.md": skill_md}})
+    assert status in (200, 201), body
     checks = "; ".join(f"test -e '{t}' && echo 'SEEN {t}'" for t in targets)
     job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command":
-                               f"{checks}; ls {root}/jobs; id -u; pwd; cat ../skills/demo/SKILL.md; "
+                               f"{checks}; ls {root}/jobs; id -u; pwd; tail -n 1 ../skills/demo/SKILL.md; ls ../skills; "
                                "touch ../skills/new 2>/dev/null && echo SEEN-writable-skills; true"}))
     lines = job["stdout_tail"].splitlines()
     assert not [line for line in lines if line.startswith("SEEN")], lines
-    assert lines == [job["id"], "1000", os.path.join(job["workspace"], "tree"), "# demo skill"]
+    assert lines == [job["id"], "1000", os.path.join(job["workspace"], "tree"), "# demo skill",
+                     "demo", "jupyter-live-kernel"]  # the agent's enabled skills, read-only
 
 
 OPEN_FDS = "import os\nopen_fds = []\nfor fd in range(4096):\n    try:\n        os.fstat(fd)\n        open_fds.append(fd)\n    except OSError:\n        pass\nprint(open_fds)"
@@ -462,7 +463,7 @@ def test_jlk_job_run_wait_patch_apply_and_exit_codes(gw, tmp_path):
     assert started.returncode == 0, started.stderr
     started_id = started.stdout.split()[1]
     assert jlk(gw, "job", "cancel", started_id).returncode == 0
-    assert jlk(gw, "job", "wait", started_id).returncode == 5
+    assert jlk(gw, "job", "wait", started_id).returncode == 6
 
 
 def test_jlk_job_bad_usage(gw):
