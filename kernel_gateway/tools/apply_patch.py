@@ -144,6 +144,13 @@ def parse_patch(patch: str) -> list[Hunk]:
         _check_boundaries(lines)
     hunks, body, line_number = [], lines[1:-1], 2
     while body:
+        if body[0].strip(_WS) == END:
+            # A second end marker (a doubled `*** End Patch`) ends the patch
+            # when only blank lines follow it; anything else after it means
+            # the first one was not the end, as the reference reports.
+            if any(line.strip(_WS) for line in body[1:]):
+                raise PatchError("Invalid patch: The last line of the patch must be '*** End Patch'")
+            break
         hunk, used = _parse_hunk(body, line_number)
         hunks.append(hunk)
         body, line_number = body[used:], line_number + used
@@ -185,7 +192,7 @@ def _parse_update(lines: list[str], line_number: int, path: str) -> tuple[Hunk, 
         ):
             i += 1
             continue
-        if line.startswith(HEADERS):
+        if line.startswith(HEADERS) or line.rstrip(_WS) == END:
             break
         chunk, used = _parse_chunk(lines[i:], line_number + i, first=not hunk.chunks)
         hunk.chunks.append(chunk)

@@ -117,6 +117,20 @@ MUTATIONS = [
 ]
 
 
+# Endings after the patch's own `*** End Patch`: a doubled marker (with blank
+# lines, whitespace or an indent around it), a third one, or text, a hunk or
+# an add line between the inner marker and a final one.
+ENDINGS = [
+    lambda rng: ["*** End Patch"],
+    lambda rng: ["*** End Patch" + rng.choice(["", " ", "\t", "  "])],
+    lambda rng: [rng.choice(["", "   ", "\t"])] * rng.randint(1, 2) + ["*** End Patch"],
+    lambda rng: [rng.choice([" ", "\t", "  "]) + "*** End Patch"],
+    lambda rng: ["*** End Patch", "*** End Patch"],
+    lambda rng: [rng.choice(["garbage", " x", "+more", "@@", "*** End of File", "*** Add File: z.txt"]), "*** End Patch"],
+    lambda rng: ["*** End Patch junk", "*** End Patch"],
+]
+
+
 def _mutate_line(rng, lines, change):
     i = rng.randint(0, len(lines) - 1)
     lines[i] = change(lines[i])
@@ -133,6 +147,10 @@ def generate_case(seed: int, case: int):
     for _ in range(rng.randint(1, 3)):
         lines += _hunk(rng, tree)
     lines.append("*** End Patch")
+    if rng.random() < 0.2:
+        if rng.random() < 0.3:
+            lines[-1] = rng.choice([" ", "\t", ""]) + "*** End Patch" + rng.choice(["", " ", "\t"])
+        lines += rng.choice(ENDINGS)(rng)
     if rng.random() < 0.3:
         for _ in range(rng.randint(1, 2)):
             rng.choice(MUTATIONS)(rng, lines)

@@ -98,6 +98,28 @@ SCENARIOS = {
     "empty_chunk_header_only": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@")),
     "end_of_file_with_nothing_before": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@\n*** End of File")),
     "second_chunk_without_header": ({"a.txt": "x\ny\n"}, P("*** Update File: a.txt\n@@\n-x\n*** End of File\n-y")),
+    # --- a doubled end marker (applied by the reference) and text after an inner one (refused)
+    "double_end_after_update": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@\n-x\n+y\n*** End Patch")),
+    "double_end_after_add": ({}, P("*** Add File: n.txt\n+n\n*** End Patch")),
+    "double_end_after_delete": ({"d.txt": "d\n"}, P("*** Delete File: d.txt\n*** End Patch")),
+    "double_end_after_end_of_file": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@\n-x\n+y\n*** End of File\n*** End Patch")),
+    "double_end_with_blank_lines_between": ({}, P("*** Add File: n.txt\n+n\n*** End Patch\n\n  \t")),
+    "double_end_inner_with_trailing_space": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@\n-x\n+y\n*** End Patch   ")),
+    "double_end_inner_indented_after_add": ({}, P("*** Add File: n.txt\n+n\n\t*** End Patch ")),
+    "double_end_inner_indented_in_update": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@\n-x\n+y\n\t*** End Patch")),
+    "double_end_only": ({"a.txt": "x\n"}, P("*** End Patch")),
+    "double_end_heredoc": ({}, "<<EOF\n*** Begin Patch\n*** Add File: h.txt\n+x\n*** End Patch\n*** End Patch\nEOF"),
+    "double_end_crlf": ({}, "*** Begin Patch\r\n*** Add File: n.txt\r\n+n\r\n*** End Patch\r\n*** End Patch\r\n"),
+    "triple_end": ({}, P("*** Add File: n.txt\n+n\n*** End Patch\n*** End Patch")),
+    "text_after_inner_end": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@\n-x\n+y\n*** End Patch\ngarbage")),
+    "context_after_inner_end": ({"a.txt": "x\n"}, P("*** Update File: a.txt\n@@\n-x\n+y\n*** End Patch\n x")),
+    "hunk_after_inner_end": ({}, P("*** Add File: n.txt\n+n\n*** End Patch\n*** Add File: m.txt\n+m")),
+    "add_line_after_inner_end": ({}, P("*** Add File: n.txt\n+n\n*** End Patch\n+more")),
+    "inner_end_with_text_on_its_line": ({}, P("*** Add File: n.txt\n+n\n*** End Patch extra")),
+    "end_marker_as_context_line": (
+        {"c.txt": "a\n*** End Patch\nb\n"},
+        P("*** Update File: c.txt\n@@\n a\n *** End Patch\n-b\n+B"),
+    ),
     # --- order and partial failure
     "multiple_files": (
         {"m.txt": "m\n", "d.txt": "d\n"},
