@@ -92,6 +92,7 @@ class Kernel:
         config.SandboxedKernelProvisioner.env = {
             "PYTHONPATH": EXTENSION_DIR_INSIDE,
             "KERNEL_GATEWAY_AGENT": agent,
+            "KERNEL_GATEWAY_AGENT_ROOT": agent_root,
             "KERNEL_GATEWAY_SOCKET": AGENT_SOCKET_INSIDE,
             "KERNEL_GATEWAY_OUTPUT_LIMIT": str(options.output_limit),
             "KERNEL_GATEWAY_OUTPUT_DIR": os.path.join(session_dir, "outputs"),

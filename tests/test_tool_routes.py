@@ -61,6 +61,48 @@ def test_jlk_inside_a_command_reaches_only_its_own_agent(gw):
     assert "out of reach" in other["stdout"] + other["stderr"]
 
 
+def test_a_command_for_a_session_runs_where_its_kernel_does(gw):
+    # The kernel writes with a relative path; the command for its session reads the same relative path.
+    status, ran = gw.client.execute("alice", "rel", "open('made-by-kernel.txt', 'w').write('k')\nimport os\nprint(os.getcwd())")
+    assert status == 200 and ran["status"] == "ok", ran
+    kernel_cwd = ran["text"].strip()
+    status, body = gw.client.call(
+        "POST", "/v1/agents/alice/commands",
+        {"command": 'pwd; cat made-by-kernel.txt; echo; echo "$JLK_SESSION"; echo "$KERNEL_GATEWAY_AGENT_ROOT"',
+         "session": "rel"},
+    )
+    assert status == 200, body
+    assert body["stdout"].splitlines() == [kernel_cwd, "k", "rel", os.path.join(gw.root, "alice")]
+    # The kernel sees the same way to the agent root.
+    status, ran = gw.client.execute("alice", "rel", "import os\nprint(os.environ['KERNEL_GATEWAY_AGENT_ROOT'])")
+    assert ran["text"] == os.path.join(gw.root, "alice") + "\n"
+    # An explicit cwd still wins, relative to the agent root.
+    body = gw.client.call("POST", "/v1/agents/alice/commands", {"command": "pwd", "session": "rel", "cwd": "user-files"})[1]
+    assert body["stdout"] == os.path.join(gw.root, "alice", "user-files") + "\n"
+    # Without a session: the agent root, and no JLK_SESSION.
+    body = gw.client.call("POST", "/v1/agents/alice/commands", {"command": 'pwd; echo "[$JLK_SESSION]"'})[1]
+    assert body["stdout"] == os.path.join(gw.root, "alice") + "\n[]\n"
+
+
+def test_a_command_for_a_session_without_a_kernel_starts_in_its_directory(gw):
+    body = gw.client.call("POST", "/v1/agents/alice/commands", {"command": "pwd", "session": "not started"})[1]
+    assert body["stdout"] == os.path.join(gw.root, "alice", "sessions", "bm90IHN0YXJ0ZWQ") + "\n"
+    status, _ = gw.client.call("GET", "/v1/agents/alice/sessions/not%20started")
+    assert status == 404  # a command starts no kernel
+
+
+def test_a_command_for_a_notebooks_session_runs_in_the_notebooks_folder(gw):
+    path = "/v1/agents/alice/notebooks/user-files/nbdir/cmd.ipynb"
+    os.makedirs(os.path.join(gw.root, "alice", "user-files", "nbdir"), exist_ok=True)
+    gw.client.call("PUT", path, NOTEBOOK)
+    cell = gw.client.call("POST", path + "/cells", {"index": 0, "source": "open('near.txt', 'w').write('n')"})[1]["id"]
+    assert gw.client.call("POST", f"{path}/cells/{cell}/execute", {})[1]["status"] == "ok"
+    body = gw.client.call(
+        "POST", "/v1/agents/alice/commands", {"command": "pwd; cat near.txt", "session": "notebook:user-files/nbdir/cmd.ipynb"}
+    )[1]
+    assert body["stdout"] == os.path.join(gw.root, "alice", "user-files", "nbdir") + "\nn"
+
+
 def test_read_file_and_patch_round_trip(gw):
     patch = "*** Begin Patch\n*** Add File: user-files/notes.txt\n+alpha\n+beta\n*** End Patch\n"
     status, body = gw.client.call("POST", "/v1/agents/alice/patch", raw=patch.encode(), headers={"Content-Type": "text/plain"})
@@ -80,7 +122,23 @@ def test_failed_patch_is_422_with_the_reference_text(gw):
     before = tree_digest(os.path.join(gw.root, "alice"))
     status, body = gw.client.call("POST", "/v1/agents/alice/patch", raw=patch.encode())
     assert status == 422 and body["ok"] is False and "missing.txt" in body["output"]
+    # The documented error shape, with apply_patch's own text as the message, byte for byte.
+    assert body["error"] == {
+        "code": "patch_failed",
+        "message": body["output"],
+        "hint": "nothing was changed; read the file again and send a corrected patch",
+    }
     assert tree_digest(os.path.join(gw.root, "alice")) == before
+
+
+def test_partly_applied_patch_says_so_in_its_hint(gw):
+    patch = ("*** Begin Patch\n*** Add File: user-files/partial.txt\n+p\n"
+             "*** Update File: user-files/missing.txt\n@@\n-a\n+b\n*** End Patch\n")
+    status, body = gw.client.call("POST", "/v1/agents/alice/patch", raw=patch.encode())
+    assert status == 422 and body["added"] == ["user-files/partial.txt"]
+    assert body["error"]["code"] == "patch_failed" and body["error"]["message"] == body["output"]
+    assert body["error"]["hint"].startswith("the hunks before the failing one were applied")
+    os.unlink(os.path.join(gw.root, "alice", "user-files", "partial.txt"))
 
 
 def test_agent_socket_tools_are_scoped(gw):
@@ -103,6 +161,10 @@ BAD = [
     ("POST", "/v1/agents/alice/commands", {"command": "touch x", "env": {"A": 1}}, 400),
     ("POST", "/v1/agents/alice/commands", {"command": "touch x", "shell": True}, 400),
     ("POST", "/v1/agents/alice/commands", {"command": "touch x", "stream": "yes"}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "session": 7}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "session": "fresh", "timeout": -1}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "session": "s" * 129}, 400),
+    ("POST", "/v1/agents/alice/commands", {"command": "touch x", "session": "bad\nid"}, 400),
     ("GET", "/v1/agents/alice/files", None, 400),
     ("GET", "/v1/agents/alice/files?path=../bob/SOUL.md", None, 403),
     ("GET", "/v1/agents/alice/files?path=/etc/passwd", None, 403),
@@ -137,10 +199,9 @@ def test_tool_bad_input_changes_nothing(gw, method, path, body, status):
     raw = body if isinstance(body, bytes) else None
     got, reply = gw.client.call(method, path, None if raw is not None else body, raw=raw)
     assert got == status, reply
-    if status != 422:
-        assert reply["error"]["message"]
-    else:
-        assert reply["ok"] is False
+    assert reply["error"]["message"]
+    if status == 422:
+        assert reply["ok"] is False and reply["error"]["code"] == "patch_failed"
     assert [tree_digest(r) for r in roots] == before
 
 

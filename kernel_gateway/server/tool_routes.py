@@ -6,12 +6,32 @@ import json
 import os
 from typing import Any
 
+from .. import workspace
 from ..errors import GatewayError, bad_request
 from ..tools import apply_patch, read_file, workspace_paths
 from ..tools.command import REQUEST_KEYS, run_command
 from . import library_routes
 from .session_routes import StreamingHandler
 from .base import BaseHandler, check_fields
+
+
+def session_cwd(core: Any, agent: str, session: str) -> str:
+    """Where a command for ``session`` starts: its kernel's working directory.
+
+    That is the session directory, or for a notebook's own session the
+    notebook's folder; a session with no kernel yet gets its directory, where
+    its kernel will start.
+    """
+    for listed in core.sessions.list(agent):
+        if listed["id"] == session:
+            return listed["cwd"]
+    root = core.sessions.agent_root(agent)
+    directory = os.path.join(root, "sessions", workspace.session_dirname(session))
+    try:
+        workspace_paths.mkdirs_in_root(root, directory)
+    except workspace_paths.PathOutsideRoot as e:
+        raise GatewayError(403, "outside_workspace", str(e)) from None
+    return directory
 
 
 async def run_in_command_sandbox(core: Any, agent: str, request: dict, on_event: Any = None) -> dict:
@@ -24,6 +44,7 @@ async def run_in_command_sandbox(core: Any, agent: str, request: dict, on_event:
         values=sessions.sandbox_values(agent),
         spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
         on_event=on_event,
+        session_cwd=lambda session: session_cwd(core, agent, session),
         output_limit=core.settings.output_limit,
         bwrap=core.settings.bwrap or None,
     )
@@ -61,6 +82,21 @@ class FileHandler(BaseHandler):
             raw=self.query_bool("raw"),
         )
         self.send_json(result)
+
+
+def patch_failure(result: dict) -> dict:
+    """The documented error object of a patch that did not apply; ``message`` is apply_patch's own text."""
+    applied = result["added"] or result["modified"] or result["deleted"]
+    return {
+        "code": "patch_failed",
+        "message": result["output"],
+        "hint": (
+            "the hunks before the failing one were applied (see added/modified/deleted); "
+            if applied
+            else "nothing was changed; "
+        )
+        + "read the file again and send a corrected patch",
+    }
 
 
 class PatchHandler(BaseHandler):
@@ -114,7 +150,10 @@ class PatchHandler(BaseHandler):
             result = apply_patch.apply_patch(
                 patch, cwd, root=root, refuse=lambda path: library.protected(agent, path) is not None
             ).__dict__
-        self.send_json(result, 200 if result["ok"] else 422)
+        if result["ok"]:
+            self.send_json(result)
+        else:
+            self.send_json({"error": patch_failure(result), **result}, 422)
 
     async def _external(self, agent: str, command: str, patch: str, cwd: str) -> dict:
         """The operator's own apply_patch binary, in the command sandbox over the workspace."""

@@ -26,14 +26,16 @@ import uuid
 from typing import Any, Awaitable, Callable, Mapping
 
 from ..errors import GatewayError, bad_request
+from ..workspace import check_session_id
 from ..sandbox import launch
 from .workspace_paths import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
 
-REQUEST_KEYS = ("command", "argv", "cwd", "timeout", "env", "stdin", "stream")
+REQUEST_KEYS = ("command", "argv", "cwd", "session", "timeout", "env", "stdin", "stream")
 READ_CHUNK = 1 << 16
 SANDBOX_SOCKET = "/run/kernel-gateway.sock"  # where the command profile binds the agent socket
 
 EventSink = Callable[[dict], Awaitable[None]]
+SessionCwd = Callable[[str], str]  # session id -> the working directory of its kernel
 
 
 # --- the request -----------------------------------------------------------------
@@ -107,8 +109,22 @@ def _stdin(request: Mapping[str, Any], max_stdin: int) -> bytes:
     return data
 
 
-def _cwd(request: Mapping[str, Any], agent_root: str) -> str:
+def requested_session(request: Any) -> str | None:
+    """The session a command runs for, if the request names one (checked like every session id)."""
+    if not isinstance(request, dict) or request.get("session") is None:
+        return None
+    return check_session_id(request["session"])
+
+
+def _cwd(
+    request: Mapping[str, Any], agent_root: str, session: str | None, session_cwd: SessionCwd | None
+) -> str:
+    """An explicit ``cwd`` (agent-root relative), else the session's working directory, else the root."""
     cwd = request.get("cwd")
+    if cwd is None and session is not None and session_cwd is not None:
+        # The session's kernel's cwd, so a relative path means the same in both
+        # tools; still looked up beneath the root, as it is a path in the agent's tree.
+        cwd = session_cwd(session)
     if cwd is None:
         return os.path.realpath(agent_root)
     if not isinstance(cwd, str) or not cwd:
@@ -265,6 +281,7 @@ async def run_command(
     values: dict,
     spill_dir: str,
     on_event: EventSink | None = None,
+    session_cwd: SessionCwd | None = None,
     output_limit: int = 65536,
     max_stdin: int = 1 << 20,
     bwrap: str | None = None,
@@ -272,7 +289,9 @@ async def run_command(
     """Run one command in a fresh sandbox; return its exit status and bounded output.
 
     Invalid requests raise :class:`GatewayError` before anything runs: 400, or
-    403 ``outside_workspace`` for a ``cwd`` outside the agent's tree.
+    403 ``outside_workspace`` for a ``cwd`` outside the agent's tree.  A request
+    naming a ``session`` runs where ``session_cwd(session)`` says (its kernel's
+    working directory) unless it gives a ``cwd``, and sees ``$JLK_SESSION``.
     """
     if not isinstance(request, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(request).__name__}")
@@ -285,10 +304,14 @@ async def run_command(
     requested_timeout = _requested_timeout(request)
     env = _env(request)
     stdin = _stdin(request, max_stdin)
-    cwd = _cwd(request, agent_root)
+    session = requested_session(request)
+    cwd = _cwd(request, agent_root, session, session_cwd)
 
     values = {**values, "agent_root": agent_root, "workspace": cwd}
     env["KERNEL_GATEWAY_AGENT"] = values.get("agent", os.path.basename(agent_root))
+    env["KERNEL_GATEWAY_AGENT_ROOT"] = agent_root
+    if session is not None:
+        env["JLK_SESSION"] = session
     if values.get("agent_socket"):
         env["KERNEL_GATEWAY_SOCKET"] = SANDBOX_SOCKET
     run_id = uuid.uuid4().hex[:12]
