@@ -22,7 +22,10 @@ from typing import Any, Awaitable, Callable
 ARTIFACT_MIME = "application/vnd.kernel-gateway.artifact+json"
 TRUNCATION_MIME = "application/vnd.kernel-gateway.truncation+json"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
-TRACEBACK_FRAMES = 3
+TRACEBACK_FRAMES = 3  # library frames shown at the end of a long traceback
+CELL_FRAMES = 3  # at most this many of the user's own cell frames are shown
+LOCATION_CHARS = 160
+ARROW = re.compile(r"^-*>\s*\d+")  # IPython's "---->" / "->" marker of the running line
 POLL_SECONDS = 0.5
 INTERRUPT_GRACE_SECONDS = 5.0
 
@@ -40,11 +43,20 @@ class KernelDied(Exception):
     exit_code: int | None
     signal: int | None
 
+    def how(self) -> str:
+        return f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
+
     def sentence(self) -> str:
-        how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
         return (
-            f"The kernel died ({how}); every variable, import and open file of this session is lost. "
+            f"The kernel died ({self.how()}); every variable, import and open file of this session is lost. "
             "The next execute starts a fresh kernel."
+        )
+
+    def fresh_kernel_notice(self) -> str:
+        """What the next execute says, in its fresh kernel: one sentence, nothing said twice."""
+        return (
+            f"The previous kernel of this session died ({self.how()}), and every variable, import and "
+            "open file with it; this is a fresh kernel."
         )
 
 
@@ -171,20 +183,82 @@ def bare_result(status: str, text: str, **extra: Any) -> dict:
     }
 
 
+def _is_cell_frame(frame: str) -> bool:
+    """A frame of the user's own cells (IPython names them ``Cell In[n]``)."""
+    return frame.lstrip().startswith(("Cell In[", "Input In ["))
+
+
+def _library_frame(frame: str) -> str:
+    """A library frame as its location and the line that was running, without the context around it."""
+    lines = frame.rstrip("\n").split("\n")
+    header = lines[0]
+    if len(header) > LOCATION_CHARS and ", in " in header:
+        # Long signatures (pandas' read_csv has forty parameters) say little here.
+        where, _, name = header.partition(", in ")
+        header = f"{where}, in {name.split('(', 1)[0]}(...)"
+    running = [line for line in lines[1:] if ARROW.match(line)]
+    return "\n".join([header, *running[:1]])
+
+
+def _chosen_frames(frames: list[str]) -> list[str]:
+    """The frames to show: the user's cell frames, then the last library frames, within the bound.
+
+    A cell frame is never dropped for a library one: an error raised deep in a
+    library still shows the user's line that led there.
+    """
+    if len(frames) <= TRACEBACK_FRAMES + 1:
+        keep = set(range(len(frames)))
+    else:
+        cells = [i for i, frame in enumerate(frames) if _is_cell_frame(frame)]
+        # The outermost cell frame and the innermost ones (deep recursion stays bounded).
+        keep = set(cells[:1] + cells[-(CELL_FRAMES - 1):]) | set(range(len(frames) - TRACEBACK_FRAMES + 1, len(frames)))
+        if not cells:
+            keep |= {len(frames) - TRACEBACK_FRAMES}
+    shown, previous = [], -1
+    for i in sorted(keep):
+        if i - previous > 1:
+            skipped = i - previous - 1
+            shown.append(f"[... {skipped} frame{'s' if skipped > 1 else ''} ...]")
+        frame = frames[i].strip("\n")
+        shown.append(frame if _is_cell_frame(frame) else _library_frame(frame))
+        previous = i
+    return shown
+
+
 def short_error(error: dict) -> str:
-    """``Type: message`` and the last frames of the traceback, for an agent to read."""
+    """``Type: message``, the frames that matter, and where a syntax error is, for an agent to read."""
     # IPython's first lines are a rule and a "Traceback (most recent call last)" banner.
-    frames = [
-        strip_ansi(line)
-        for line in error.get("traceback", [])
-        if not strip_ansi(line).startswith("---") and "Traceback (most recent call last)" not in strip_ansi(line)
+    blocks = [
+        strip_ansi(block)
+        for block in error.get("traceback", [])
+        if not strip_ansi(block).startswith("---") and "Traceback (most recent call last)" not in strip_ansi(block)
     ]
-    tail = frames[-TRACEBACK_FRAMES - 1 : -1] if len(frames) > 1 else []
-    lines = [f"{error.get('ename')}: {error.get('evalue')}"]
-    if tail:
+    ename, evalue = error.get("ename"), error.get("evalue")
+    lines = [f"{ename}: {evalue}"]
+    frames = _chosen_frames(blocks[:-1]) if len(blocks) > 1 else []
+    if frames:
         lines.append("Traceback (last frames):")
-        lines.extend(frame.rstrip() for frame in tail)
+        lines.extend(frame.rstrip() for frame in frames)
+    # The last block is the exception itself; for a SyntaxError it first says
+    # where: "Cell In[3], line 2", the offending line and a caret under it.
+    last = blocks[-1].rstrip("\n").split("\n") if blocks else []
+    where = [line for line in last[: _exception_line(last, ename)] if line.strip()]
+    if where:
+        location = where[0].strip()
+        if location and location in str(evalue):
+            where = where[1:]  # the message already names the place
+        else:
+            where[0] = location
+        lines.extend(line.rstrip() for line in where)
     return "\n".join(lines) + "\n"
+
+
+def _exception_line(lines: list[str], ename: Any) -> int:
+    """Index of the ``Type: message`` line in the exception block (its length if there is none)."""
+    for i, line in enumerate(lines):
+        if ename and (line.startswith(f"{ename}:") or line == ename):
+            return i
+    return 0
 
 
 def inline_artifact(data: dict) -> dict:

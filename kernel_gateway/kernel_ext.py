@@ -516,10 +516,37 @@ class OutputBounds:
         return self.original_write_format_data(format_dict, md_dict)
 
 
+def name_cells_in_syntax_errors(shell: Any) -> None:
+    """Make a SyntaxError in a cell name the cell, ``(Cell In[3], line 2)``, not IPython's hash file name.
+
+    IPython compiles each cell under a cache file name such as ``1063758517.py``
+    and ``str()`` of the error, which becomes the error message's ``evalue``,
+    shows it.  The traceback IPython renders already says ``Cell In[3]``; this
+    gives the message the same name, before ipykernel reads it.
+    """
+    original = shell._showtraceback
+
+    def _showtraceback(etype: Any, evalue: Any, stb: Any) -> Any:
+        try:
+            if isinstance(evalue, SyntaxError) and evalue.filename:
+                label = shell.compile.format_code_name(evalue.filename)
+                if label:
+                    evalue.filename = " ".join(label)
+        except Exception:
+            _report_failure("naming the cell of a SyntaxError")
+        return original(etype, evalue, stb)
+
+    shell._showtraceback = _showtraceback
+
+
 def load_ipython_extension(ip: Any) -> None:
     """Install the bounds; load at kernel start (IPKernelApp.extensions), once."""
     if getattr(ip, "_kernel_gateway_output_bounds", None) is not None:
         return
+    try:
+        name_cells_in_syntax_errors(ip)
+    except Exception:
+        _report_failure("installing the SyntaxError names")
     try:
         bounds = OutputBounds(ip, output_limit(os.environ))
         bounds.install()

@@ -421,7 +421,7 @@ class SessionManager:
 
     async def _bury(self, session: Session, died: KernelDied) -> None:
         session.state = "dead"
-        session.notice = "The previous kernel of this session died; this is a fresh kernel. " + died.sentence()
+        session.notice = died.fresh_kernel_notice()
         kernel, session.kernel = session.kernel, None
         if kernel is not None:
             await kernel.shutdown(now=True)

@@ -66,11 +66,13 @@ def jlk(gateway: GatewayProcess):
     def run(*args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
         environment = clean_env(**{"KERNEL_GATEWAY_CONTROL_SOCKET": gateway.socket, "KERNEL_GATEWAY_AGENT": AGENT,
                                    **env})
-        return subprocess.run(
+        result = subprocess.run(
             [sys.executable, JLK, *args],
             input=input if input is not None else "",
             capture_output=True, text=True, env=environment, timeout=180,
         )
+        result.socket = environment["KERNEL_GATEWAY_CONTROL_SOCKET"]
+        return result
 
     return run
 
@@ -210,7 +212,11 @@ def test_on_the_agent_socket_me_is_the_agent_and_others_are_out_of_reach(gateway
 def test_a_request_the_gateway_refuses_exits_2_with_its_message_and_hint(jlk):
     result = jlk("--agent", "nobody", "execute", "--code", "1")
     assert result.returncode == 2
-    assert result.stderr.splitlines() == ["jlk: no agent 'nobody'", "hint: create it first: PUT /v1/agents/nobody"]
+    assert result.stderr.splitlines() == [
+        "jlk: no agent 'nobody'",
+        "hint: jlk cannot create agents: on the host, create it with "
+        f"`curl -s --unix-socket {result.socket} -X PUT http://kg/v1/agents/nobody`",
+    ]
     assert result.stdout == ""
 
 
@@ -276,6 +282,18 @@ def test_a_dead_socket_file_exits_3(jlk, tmp_path):
         (("run-all",), "`jlk run-all` needs --path"),
         (("sessions", "purge"), "unknown action 'purge' for `jlk sessions`"),
         (("execute", "-x"), "jlk: unknown option -x"),
+        (("execute", "--code", "1", "--", "ls"), "`jlk execute` takes no arguments after --"),
+        (("new",), "`jlk new` needs --path"),
+        (("sh",), "no command: jlk sh 'COMMAND LINE' or jlk sh -- PROGRAM ARGS"),
+        (("sh", "ls", "--", "ls"), "give a command line or -- PROGRAM ARGS, not both"),
+        (("sh", "--"), "-- needs a program to run"),
+        (("sh", "--timeout", "0", "true"), "--timeout must be a positive number of seconds"),
+        (("sh", "--stdin", "/nonexistent/in.txt", "cat"), "cannot read --stdin /nonexistent/in.txt"),
+        (("read",), "`jlk read` needs --path"),
+        (("read", "--path", "SOUL.md", "--offset", "0"), "--offset must be at least 1"),
+        (("read", "--path", "SOUL.md", "--limit", "x"), "--limit needs an integer, got 'x'"),
+        (("patch",), "no patch: stdin was empty; pass --file"),
+        (("patch", "--file", "/nonexistent/p.patch"), "cannot read --file /nonexistent/p.patch"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message_and_change_nothing(jlk, args, message):
@@ -295,7 +313,7 @@ def test_help_on_every_level(jlk):
         ("execute", []), ("contents", []), ("restart", []), ("interrupt", []), ("run-all", []),
         ("restart-run-all", []), ("sessions", ["list", "stop"]),
         ("edit", ["replace-source", "insert", "delete", "move", "clear-outputs"]),
-        ("variables", ["list", "preview"]),
+        ("variables", ["list", "preview"]), ("new", []), ("sh", []), ("read", []), ("patch", []),
     ]:
         page = jlk(command, "--help")
         assert page.returncode == 0 and page.stdout.startswith(f"usage: jlk {command}"), command
@@ -486,3 +504,212 @@ def test_skill_front_matter_names_the_skill_and_enables_it_by_default():
     assert "name: jupyter-live-kernel" in front
     assert any(line.startswith("description: ") and "stateful" in line for line in front)
     assert front[front.index("metadata:") + 1] == "  default_enabled: true"
+
+
+# --- sh, read, patch, new: the gateway's other tools -----------------------------------
+
+
+def test_sh_runs_where_the_sessions_kernel_runs_and_names_the_session(jlk, gateway):
+    wrote = jlk("--session", "shared", "execute", "--code", "open('from-kernel.txt', 'w').write('kernel\\n')")
+    assert wrote.returncode == 0, wrote.stdout + wrote.stderr
+    ran = jlk("--session", "shared", "sh", 'cat from-kernel.txt; echo "$JLK_SESSION"; ls "$KERNEL_GATEWAY_AGENT_ROOT"')
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[:2] == ["kernel", "shared"]
+    assert "user-files" in lines[2:] and "sessions" in lines[2:]
+    # And back: what the command writes relative, the kernel reads relative.
+    assert jlk("--session", "shared", "sh", "echo shell > from-shell.txt").returncode == 0
+    back = jlk("--session", "shared", "execute", "--code", "print(open('from-shell.txt').read().strip())")
+    assert (back.returncode, back.stdout) == (0, "shell\n")
+
+
+def test_sh_exit_codes_argv_stdin_and_cwd(jlk, tmp_path):
+    failed = jlk("sh", "echo out; echo err >&2; exit 3")
+    assert (failed.returncode, failed.stdout, failed.stderr) == (1, "out\n", "err\n[exit code 3]\n")
+
+    argv = jlk("sh", "--", "printf", "%s|", "a b", "$HOME")
+    assert (argv.returncode, argv.stdout) == (0, "a b|$HOME|")  # no shell: nothing expanded
+
+    given = tmp_path / "in.txt"
+    given.write_text("from a file\n")
+    assert jlk("sh", "--stdin", str(given), "cat").stdout == "from a file\n"
+    assert jlk("sh", "--stdin", "-", "tr a-z A-Z", input="piped\n").stdout == "PIPED\n"
+
+    where = jlk("sh", "--cwd", "user-files", "pwd")
+    assert where.stdout.strip().endswith(f"/{AGENT}/user-files")
+
+    slow = jlk("sh", "--timeout", "1", "sleep 30")
+    assert slow.returncode == 124
+    assert slow.stderr.endswith("[timeout: the command was killed after 1 s]\n")
+
+    as_json = jlk("sh", "--json", "exit 5")
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["exit_code"] == 5
+
+    outside = jlk("sh", "--cwd", "/etc", "pwd")
+    assert outside.returncode == 2 and "outside" in outside.stderr
+    assert "hint: use a path inside your agent root" in outside.stderr
+
+
+def test_read_prints_lines_and_says_where_more_follow(jlk, gateway):
+    data = agent_root(gateway) / "user-files" / "lines.txt"
+    data.parent.mkdir(exist_ok=True)
+    data.write_text("".join(f"line {i}\n" for i in range(1, 11)))
+    window = jlk("read", "--path", "user-files/lines.txt", "--offset", "3", "--limit", "2")
+    assert (window.returncode, window.stdout) == (0, "line 3\nline 4\n")
+    assert window.stderr == "[lines 3-4 of 10: --offset 5 reads on]\n"
+    whole = jlk("read", "--path", "user-files/lines.txt")
+    assert (whole.returncode, whole.stdout, whole.stderr) == (0, data.read_text(), "")
+
+    missing = jlk("read", "--path", "user-files/none.txt")
+    assert missing.returncode == 2 and "none.txt" in missing.stderr and missing.stdout == ""
+
+
+def test_patch_from_stdin_or_a_file_and_a_failed_patch_exits_1_with_codex_text(jlk, gateway, tmp_path):
+    target = agent_root(gateway) / "user-files" / "notes.md"
+    target.parent.mkdir(exist_ok=True)
+    target.unlink(missing_ok=True)
+    add = "*** Begin Patch\n*** Add File: user-files/notes.md\n+one\n+two\n*** End Patch\n"
+    added = jlk("patch", input=add)
+    assert (added.returncode, added.stdout) == (0, "Success. Updated the following files:\nA user-files/notes.md\n")
+    assert target.read_text() == "one\ntwo\n"
+
+    patch_file = tmp_path / "change.patch"
+    patch_file.write_text("*** Begin Patch\n*** Update File: notes.md\n@@\n-two\n+TWO\n*** End Patch\n")
+    updated = jlk("patch", "--file", str(patch_file), "--cwd", "user-files")
+    assert (updated.returncode, updated.stdout) == (0, "Success. Updated the following files:\nM notes.md\n")
+    assert target.read_text() == "one\nTWO\n"
+
+    bad = "*** Begin Patch\n*** Update File: user-files/notes.md\n@@\n-three\n+3\n*** End Patch\n"
+    failed = jlk("patch", input=bad)
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.startswith(f"Failed to find expected lines in {target}:\nthree\n")
+    assert "hint: read the file again (`jlk read --path FILE`)" in failed.stderr
+    assert target.read_text() == "one\nTWO\n"
+
+    as_json = jlk("patch", "--json", input=bad)
+    body = json.loads(as_json.stdout)
+    assert as_json.returncode == 1
+    assert body["error"]["code"] == "patch_failed" and body["error"]["message"] == body["output"]
+
+
+def test_new_creates_an_empty_notebook_and_never_replaces_one(jlk, gateway):
+    path = "user-files/fresh/made.ipynb"
+    on_disk = agent_root(gateway) / path
+    if on_disk.exists():
+        on_disk.unlink()
+    missing = jlk("edit", "--path", path, "insert", "--source", "1")
+    assert missing.returncode == 2
+    assert missing.stderr.endswith(f"hint: create it with `jlk new --path {path}`\n")
+    assert not on_disk.exists()
+
+    made = jlk("new", "--path", path)
+    assert (made.returncode, made.stdout) == (0, f"created {path}: an empty notebook for the sandboxed Python kernel\n")
+    nb = nbformat.read(on_disk, as_version=4)
+    nbformat.validate(nb)
+    assert nb.cells == [] and nb.metadata.kernelspec.name == "python3"
+
+    assert jlk("edit", "--path", path, "insert", "--source", "6 * 7").returncode == 0
+    before = on_disk.read_bytes()
+    again = jlk("new", "--path", path)
+    assert again.returncode == 2
+    assert again.stderr.startswith(f"jlk: {path} exists already (1 cells)\nhint: change it with `jlk edit")
+    assert on_disk.read_bytes() == before
+
+
+def test_hints_are_jlk_commands_not_http_routes(jlk):
+    unknown = jlk("--session", "never-started", "variables", "list")
+    assert unknown.returncode == 2
+    assert unknown.stderr.splitlines() == [
+        "jlk: no session 'never-started' for agent 'alice'",
+        "hint: `jlk --session never-started execute --code ...` starts it; `jlk sessions` lists the live ones",
+    ]
+    assert "/v1/" not in jlk("--session", "never-started", "interrupt").stderr
+
+
+def test_output_closed_early_exits_141_without_a_traceback(gateway):
+    env = clean_env(KERNEL_GATEWAY_CONTROL_SOCKET=gateway.socket, KERNEL_GATEWAY_AGENT=AGENT)
+    # `jlk ... | head -1`: the reader takes one line and goes away.
+    pipeline = subprocess.run(
+        ["bash", "-c", f'set -o pipefail; "{sys.executable}" "{JLK}" --session pipe execute '
+                       "--code 'for i in range(200000): print(i)' | head -1"],
+        capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120,
+    )
+    assert pipeline.stdout == "0\n"
+    assert pipeline.returncode == 141
+    assert pipeline.stderr == ""
+
+
+def test_a_timeout_waiting_for_a_busy_session_says_only_that_the_code_did_not_run(gateway, jlk):
+    env = clean_env(KERNEL_GATEWAY_CONTROL_SOCKET=gateway.socket, KERNEL_GATEWAY_AGENT=AGENT)
+    assert jlk("--session", "busy", "execute", "--code", "1").returncode == 0
+    first = subprocess.Popen([sys.executable, JLK, "--session", "busy", "execute", "--code",
+                              "import time\nprint('started', flush=True)\ntime.sleep(8)"],
+                             stdout=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+    try:
+        assert session_wait_busy(jlk, "busy")
+        queued = jlk("--session", "busy", "execute", "--timeout", "1", "--code", "print('never')")
+        assert queued.returncode == 124
+        assert queued.stdout == ("The session 'busy' was busy with another execution for the whole timeout (1 s); "
+                                 "this code did not run.\n")
+    finally:
+        first.wait(timeout=60)
+
+
+def session_wait_busy(jlk, session: str) -> bool:
+    from support import wait_until
+    return wait_until(lambda: (session_json(jlk, session) or {}).get("state") == "busy", timeout=30)
+
+
+def test_the_note_after_a_kernel_death_is_one_sentence(jlk):
+    assert jlk("--session", "dies3", "execute", "--code", "import os\nos._exit(3)").returncode == 4
+    fresh = jlk("--session", "dies3", "execute", "--code", "print('again')")
+    assert fresh.returncode == 0
+    assert fresh.stdout == (
+        "again\n[note: The previous kernel of this session died (exit code 3), and every variable, import and "
+        "open file with it; this is a fresh kernel.]\n"
+    )
+
+
+def test_run_all_prints_where_images_went(jlk, gateway):
+    path = "user-files/plots.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()",
+                                          id="plot")]
+    nbformat.write(nb, agent_root(gateway) / path)
+    ran = jlk("--session", "plots-run", "run-all", "--path", path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    saved = [line.strip() for line in ran.stdout.splitlines() if line.strip().startswith("[image/png saved to ")]
+    assert len(saved) == 1
+    image = Path(saved[0][len("[image/png saved to "):-1])
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- how errors read ----------------------------------------------------------------
+
+
+def test_an_error_deep_in_a_library_still_shows_the_users_lines(jlk):
+    code = "import json\ndef load(text):\n    return json.loads(text)\nload('{')"
+    result = jlk("--session", "deep", "execute", "--code", code)
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("json.decoder.JSONDecodeError: Expecting property name") or \
+        lines[0].startswith("JSONDecodeError: Expecting property name"), lines[0]
+    assert lines[1] == "Traceback (last frames):"
+    text = result.stdout
+    assert "----> 4 load('{')" in text  # the cell's own line
+    assert "----> 3     return json.loads(text)" in text  # and the user's function
+    assert "json/decoder.py" in text  # plus the last library frames
+    assert "[... 1 frame ...]" in text
+    # Library frames are their location and running line only: the output stays short.
+    assert len(lines) < 20
+
+
+def test_a_syntax_error_names_the_cell_and_shows_the_caret(jlk):
+    result = jlk("--session", "syntax", "execute", "--code", "y = 1\nx = 1 +* 2")
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("SyntaxError: invalid syntax (Cell In[") and lines[0].endswith("], line 2)")
+    assert lines[1:] == ["    x = 1 +* 2", "           ^"]
+    as_json = json.loads(jlk("--session", "syntax", "execute", "--code", "if True:\nprint(1)", "--json").stdout)
+    assert as_json["error"]["ename"] == "IndentationError"
+    assert "(Cell In[" in as_json["error"]["evalue"] and ".py" not in as_json["error"]["evalue"]
