@@ -182,13 +182,14 @@ def _parse_update(lines: list[str], line_number: int, path: str) -> tuple[Hunk, 
         line = lines[i]
         # Before the first chunk: one Move to, and stray End of File lines
         # (skipped).  Blank lines after an End of File chunk are skipped too;
-        # other blank lines are context.
+        # after any other chunk an empty line is context and a whitespace-only
+        # one starts the next chunk (and fails without its @@), as in the reference.
         if not hunk.chunks and hunk.move_to is None and line.rstrip(_WS).startswith(MOVE):
             hunk.move_to = line.rstrip(_WS)[len(MOVE):]
             i += 1
             continue
         if (not hunk.chunks and line.rstrip(_WS) == EOF_MARK) or (
-            hunk.chunks and not line.strip(_WS)
+            hunk.chunks and hunk.chunks[-1].eof and not line.strip(_WS)
         ):
             i += 1
             continue
@@ -219,6 +220,8 @@ def _parse_chunk(lines: list[str], line_number: int, first: bool) -> tuple[Chunk
         raise _hunk_error(line_number + 1, "Update hunk does not contain any lines")
     parsed = 0
     for line in lines[start:]:
+        if line.rstrip(_WS) == END:
+            break  # an inner end marker ends the chunk, as the end of the patch does
         if line.rstrip(_WS) == EOF_MARK:
             if parsed == 0:
                 raise _hunk_error(line_number + 1, "Update hunk does not contain any lines")
@@ -237,6 +240,8 @@ def _parse_chunk(lines: list[str], line_number: int, first: bool) -> tuple[Chunk
         else:
             break
         parsed += 1
+    if parsed == 0:
+        raise _hunk_error(line_number + 1, "Update hunk does not contain any lines")
     return chunk, start + parsed
 
 
