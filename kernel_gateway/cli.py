@@ -64,6 +64,7 @@ def install_kernelspec(argv: list[str]) -> int:
 
     from jupyter_client.kernelspec import KernelSpecManager
 
+    from .kernels import copy_logos
     from .provisioner import kernelspec_dict
 
     parser = argparse.ArgumentParser(prog="kernel-gateway install-kernelspec")
@@ -76,6 +77,7 @@ def install_kernelspec(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "kernel.json"), "w") as f:
             json.dump(kernelspec_dict(config=config), f, indent=1)
+        copy_logos(tmp)
         where = KernelSpecManager().install_kernel_spec(
             tmp, kernel_name=args.name, user=args.user, prefix=args.prefix
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,17 @@ EXTENSION_DIR_INSIDE = "/run/kernel-gateway/python"
 EXTENSION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_ext.py")
 
 
+# The kernelspec's logos, which JupyterLab's launcher shows (package data).
+LOGO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernelspec")
+LOGO_FILES = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
+
+
+def copy_logos(spec_dir: str) -> None:
+    """Put the kernelspec's logo files into ``spec_dir`` (a kernelspec directory of ours)."""
+    for name in LOGO_FILES:
+        shutil.copyfile(os.path.join(LOGO_DIR, name), os.path.join(spec_dir, name))
+
+
 def write_kernelspec(state_dir: str) -> str:
     """The gateway's own kernelspec directory (rewritten at each start)."""
     kernels = os.path.join(state_dir, "kernels")
@@ -40,6 +52,7 @@ def write_kernelspec(state_dir: str) -> str:
     spec["argv"] += [f"--IPKernelApp.extensions={KERNEL_EXTENSION}"]
     with open(os.path.join(spec_dir, "kernel.json"), "w") as f:
         json.dump(spec, f, indent=1)
+    copy_logos(spec_dir)
     return kernels
 
 
