@@ -25,6 +25,7 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
 TRACEBACK_FRAMES = 3  # library frames shown at the end of a long traceback
 CELL_FRAMES = 3  # at most this many of the user's own cell frames are shown
 LOCATION_CHARS = 160
+CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
 ARROW = re.compile(r"^-*>\s*\d+")  # IPython's "---->" / "->" marker of the running line
 POLL_SECONDS = 0.5
 INTERRUPT_GRACE_SECONDS = 5.0
@@ -233,6 +234,11 @@ def short_error(error: dict) -> str:
         for block in error.get("traceback", [])
         if not strip_ansi(block).startswith("---") and "Traceback (most recent call last)" not in strip_ansi(block)
     ]
+    # A chained exception: the error reported is the last one; show its own traceback.
+    for i in range(len(blocks) - 1, -1, -1):
+        if blocks[i].strip().startswith(CHAINED):
+            blocks = blocks[i + 1 :]
+            break
     ename, evalue = error.get("ename"), error.get("evalue")
     lines = [f"{ename}: {evalue}"]
     frames = _chosen_frames(blocks[:-1]) if len(blocks) > 1 else []

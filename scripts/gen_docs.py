@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""Regenerate the examples in README.md and SKILL.md by running them.
+
+Each generated block sits between two markers, cog style::
+
+    <!-- [[[gen NAME]]] -->
+    ...
+    <!-- [[[end]]] -->
+
+and everything between them is produced here: a real gateway
+(``kernel-gateway serve``) is started in a temporary directory, every command
+shown is run through ``bash`` exactly as printed, and its output is written
+back.  Volatile values are masked so that a rerun gives the same text: the
+temporary directory reads ``/tmp/kgd``, and times, pids, durations, uuids and
+the Python environment's path are replaced by ``<time>``, ``<pid>``, ``<ms>``,
+``<uuid>`` and ``<venv>``.  An output cut short for the page says so with
+``...``.
+
+    .venv/bin/python scripts/gen_docs.py           # rewrite the blocks in place
+    .venv/bin/python scripts/gen_docs.py --check   # exit 1 if a block is stale
+
+``tests/test_docs.py`` runs the check.  README examples are run from a
+checkout-like directory (``/tmp/kgd``) whose ``.venv/bin/jlk`` is this
+checkout's ``jlk`` (one standard-library file, the same one an install copies);
+SKILL.md examples are run as an agent runs them in its sandbox: ``jlk`` on
+``PATH`` and the agent socket in ``$KERNEL_GATEWAY_SOCKET``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+JLK = REPO / "skills" / "jupyter-live-kernel" / "scripts" / "jlk"
+FILES = {"README.md": REPO / "README.md", "SKILL.md": REPO / "skills" / "jupyter-live-kernel" / "SKILL.md"}
+SHOWN_DIR = "/tmp/kgd"
+MARKER = re.compile(r"<!-- \[\[\[gen ([a-z0-9-]+)\]\]\] -->\n(.*?)<!-- \[\[\[end\]\]\] -->", re.S)
+REGENERATE = ".venv/bin/python scripts/gen_docs.py"
+
+
+# --- what is shown --------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One command as printed; ``head``/``tail`` keep that many output lines around a `...`."""
+
+    command: str
+    head: int | None = None
+    tail: int = 0
+    expect: int = 0  # its exit code; anything else fails the generation
+
+
+@dataclass
+class Block:
+    file: str
+    steps: list[Step]
+    fence: str = "console"
+    session: str | None = None  # SKILL blocks: $JLK_SESSION of the agent typing them
+    prose: str = ""  # a line printed before the fence
+
+
+@dataclass
+class Run:
+    """A gateway in a temporary directory and how to run shown commands against it."""
+
+    base: Path
+    gateway: subprocess.Popen | None = None
+    env: dict = field(default_factory=dict)
+    cell_ids: dict = field(default_factory=dict)  # random cell id -> its stable stand-in
+
+
+def readme_blocks() -> dict[str, Block]:
+    curl = "curl -s --unix-socket var/state/control.sock"
+    jlk = ".venv/bin/jlk --socket var/state/control.sock --agent alice --session main"
+    return {
+        "readme-session": Block("README.md", [
+            Step(f"{curl} -X PUT http://kg/v1/agents/alice"),
+            Step(f"{curl} -X POST http://kg/v1/agents/alice/sessions/main/execute "
+                 """-d '{"code": "x = 41\\nprint(\\"hello\\")\\nx + 1"}'"""),
+            Step(f"{curl} http://kg/v1/agents/alice/sessions"),
+            Step(f"""{curl} -X POST http://kg/v1/agents/alice/commands -d '{{"command": "id; pwd", "session": "main"}}'"""),
+            Step(f"""{curl} -X POST http://kg/v1/agents/alice/sessions/main/execute -d '{{"code": 7}}'"""),
+            Step(f"""{jlk} execute --code "x * 2\""""),
+            Step(f"{jlk} variables list"),
+            Step(f"""{jlk} sh 'echo "$JLK_SESSION in $PWD"'"""),
+        ], fence=""),
+        "readme-error": Block("README.md", [
+            Step(f"""{jlk} execute --code $'def f():\\n    return 1/0\\nf()'""", expect=1),
+        ], fence=""),
+    }
+
+
+def skill_blocks() -> dict[str, Block]:
+    return {
+        "skill-core-loop": Block("SKILL.md", [
+            Step("""jlk execute --code $'import os, pandas as pd\\n"""
+                 """df = pd.read_csv(os.environ["KERNEL_GATEWAY_AGENT_ROOT"] + "/user-files/weather.csv")\\n"""
+                 """print(df.shape)\\ndf.head(3)'"""),
+            Step("""jlk execute --code 'df.groupby("city")["temp"].mean().round(2)'"""),
+        ]),
+        "skill-variables": Block("SKILL.md", [
+            Step("jlk variables list"),
+            Step("jlk variables preview --name df", head=12),
+        ]),
+        "skill-errors": Block("SKILL.md", [
+            Step("jlk execute --code 'ratio = total_rain / days'", expect=1),
+            Step("""jlk execute --code 'df.groupby("city")["temp"].mean(.round(2)'""", expect=1),
+        ]),
+        "skill-files": Block("SKILL.md", [
+            Step("jlk sh 'pwd; ls $KERNEL_GATEWAY_AGENT_ROOT/user-files'"),
+            Step("jlk read --path user-files/weather.csv --limit 3"),
+            Step("jlk sh 'grep -c Oslo $KERNEL_GATEWAY_AGENT_ROOT/user-files/weather.csv; exit 3'", expect=1),
+            Step("jlk patch < fix-notes.patch"),
+        ]),
+        "skill-notebooks": Block("SKILL.md", [
+            Step("jlk new --path user-files/weather.ipynb"),
+            Step("jlk edit --path user-files/weather.ipynb insert --cell-type markdown --source '# Weather by city'"),
+            Step("""jlk edit --path user-files/weather.ipynb insert --source $'import os, pandas as pd\\n"""
+                 """df = pd.read_csv(os.environ["KERNEL_GATEWAY_AGENT_ROOT"] + "/user-files/weather.csv")'"""),
+            Step("""jlk edit --path user-files/weather.ipynb insert --source 'df.groupby("city")["rain_mm"].sum()'"""),
+            Step("jlk contents --path user-files/weather.ipynb"),
+        ]),
+        "skill-notebook-edit": Block("SKILL.md", [
+            Step("""jlk edit --path user-files/weather.ipynb replace-source --index 2 """
+                 """--source 'df.groupby("city")["rain_mm"].sum().round(1)'"""),
+            Step("jlk execute --path user-files/weather.ipynb --index 1"),
+            Step("jlk execute --path user-files/weather.ipynb --index 2"),
+            Step("jlk contents --path user-files/weather.ipynb --include-outputs", head=16),
+        ]),
+        "skill-verify": Block("SKILL.md", [
+            Step("""jlk edit --path user-files/weather.ipynb insert --source 'df["temperature"].describe()'"""),
+            Step("jlk run-all --path user-files/weather.ipynb", expect=1),
+            Step("""jlk edit --path user-files/weather.ipynb replace-source --index 3 --source 'df["temp"].describe().round(1)'"""),
+            Step("jlk restart-run-all --path user-files/weather.ipynb --save-outputs"),
+        ]),
+        "skill-images": Block("SKILL.md", [
+            Step("""jlk execute --code $'import matplotlib.pyplot as plt\\ndf.boxplot(column="temp", by="city")\\nplt.show()'"""),
+        ]),
+        "skill-large-output": Block("SKILL.md", [
+            Step("jlk execute --code 'for i in range(200000): print(i)'", head=3, tail=4),
+        ]),
+        "skill-timeout": Block("SKILL.md", [
+            Step("jlk execute --timeout 2 --code $'import time\\ntime.sleep(60)'", expect=124),
+        ]),
+    }
+
+
+def all_blocks() -> dict[str, Block]:
+    return {**readme_blocks(), **skill_blocks()}
+
+
+# --- the fixtures the examples use ----------------------------------------------------------
+
+
+def weather_csv() -> str:
+    """200 rows of made-up weather, the same on every run."""
+    rng = random.Random(7)
+    rows = ["city,temp,rain_mm"]
+    for _ in range(200):
+        rows.append(f"{rng.choice(['Lima', 'Oslo', 'Pune'])},{rng.uniform(2, 28):.1f},{rng.uniform(0, 12):.1f}")
+    return "\n".join(rows) + "\n"
+
+
+FIX_NOTES_PATCH = """\
+*** Begin Patch
+*** Update File: user-files/notes.md
+@@
+ # Notes
+-rain is measured in inches
++rain is measured in mm
+*** End Patch
+"""
+
+
+def set_up_agent(root: Path) -> None:
+    files = root / "user-files"
+    (files / "weather.csv").write_text(weather_csv())
+    (files / "notes.md").write_text("# Notes\nrain is measured in inches\n")
+
+
+# --- running --------------------------------------------------------------------------
+
+
+def start(base: Path) -> Run:
+    run = Run(base)
+    (base / ".venv" / "bin").mkdir(parents=True)
+    os.symlink(JLK, base / ".venv" / "bin" / "jlk")
+    bin_dir = Path(sys.executable).parent
+    log = open(base / "gateway.log", "wb")
+    run.gateway = subprocess.Popen([str(bin_dir / "kernel-gateway"), "serve", "--Gateway.spare_kernels=False"],
+                                   cwd=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    control = base / "var" / "state" / "control.sock"
+    deadline = time.monotonic() + 60
+    while not control.exists():
+        if run.gateway.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start:\n" + (base / "gateway.log").read_text())
+        time.sleep(0.05)
+    run.env = {"PATH": f"{base / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+               "HOME": str(base)}
+    # The agent of the SKILL examples, with its files.
+    shell(run, "curl -s --unix-socket var/state/control.sock -X PUT http://kg/v1/agents/demo", base, run.env)
+    set_up_agent(base / "var" / "agents" / "demo")
+    (base / "work").mkdir()
+    (base / "work" / "fix-notes.patch").write_text(FIX_NOTES_PATCH)
+    return run
+
+
+def stop(run: Run) -> None:
+    if run.gateway and run.gateway.poll() is None:
+        run.gateway.send_signal(signal.SIGTERM)
+        try:
+            run.gateway.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            run.gateway.kill()
+            run.gateway.wait()
+
+
+def shell(run: Run, command: str, cwd: Path, env: dict) -> tuple[int, str]:
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    return done.returncode, done.stdout
+
+
+def agent_env(run: Run, block: Block) -> dict:
+    env = dict(run.env, KERNEL_GATEWAY_SOCKET=str(run.base / "var" / "state" / "agents" / "demo.sock"),
+               KERNEL_GATEWAY_AGENT="demo")
+    if block.session:
+        env["JLK_SESSION"] = block.session
+    return env
+
+
+# --- masking ----------------------------------------------------------------------------
+
+
+UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+ISO_TIME = re.compile(r"\b\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:?\d\d)?\b")
+JSON_NUMBER = re.compile(r'"([A-Za-z_]+)": (-?\d+(?:\.\d+)?)')
+SITE_PACKAGES = re.compile(r"\S*/lib/python3\.\d+/site-packages/")
+
+
+NEW_CELL = re.compile(r"inserted \w+ cell ([0-9a-f]{8}) at index")
+
+
+def mask(text: str, run: Run) -> str:
+    text = text.replace(str(run.base), SHOWN_DIR)
+    # New cells get random ids: each is shown as <id-N>, N counting from the first one made.
+    for cell_id in NEW_CELL.findall(text):
+        run.cell_ids.setdefault(cell_id, f"<id-{len(run.cell_ids) + 1}>")
+    for cell_id, shown in run.cell_ids.items():
+        text = text.replace(cell_id, shown)
+    text = SITE_PACKAGES.sub("<venv>/site-packages/", text)
+    text = UUID.sub("<uuid>", text)
+    text = ISO_TIME.sub("<time>", text)
+
+    def number(match: re.Match) -> str:
+        key, value = match.group(1), match.group(2)
+        if key == "pid" or key.endswith("_pid"):
+            return f'"{key}": <pid>'
+        if key.endswith("_ms") or key.endswith("_s") or key == "duration":
+            return f'"{key}": <ms>' if key.endswith("_ms") else f'"{key}": <s>'
+        if float(value) > 1e9:  # a Unix time
+            return f'"{key}": <time>'
+        return match.group(0)
+
+    return JSON_NUMBER.sub(number, text)
+
+
+def shorten(output: str, step: Step) -> str:
+    """The first ``head`` and last ``tail`` lines, with `...` for the rest; a cut marker in between stays."""
+    lines = output.rstrip("\n").split("\n")
+    if step.head is not None and len(lines) > step.head + step.tail + 1:
+        middle = lines[step.head: len(lines) - step.tail]
+        markers = [line for line in middle if line.startswith("[... ")]
+        kept = ["..."] + (markers + ["..."] if markers and step.tail else markers)
+        lines = lines[: step.head] + kept + (lines[-step.tail:] if step.tail else [])
+    return "\n".join(lines)
+
+
+def render(name: str, block: Block, run: Run) -> str:
+    parts = []
+    for step in block.steps:
+        if block.file == "README.md":
+            code, output = shell(run, step.command, run.base, run.env)
+        else:
+            code, output = shell(run, step.command, run.base / "work", agent_env(run, block))
+        if code != step.expect:
+            raise RuntimeError(f"block {name}: `{step.command}` exited {code}, expected {step.expect}:\n{output}")
+        shown = shorten(mask(output, run), step)
+        parts.append(f"$ {step.command}" + (f"\n{shown}" if shown else ""))
+    body = ("\n\n" if block.file == "README.md" else "\n").join(parts)
+    return f"```{block.fence}\n{body}\n```\n"
+
+
+def generate(names: list[str] | None = None) -> dict[str, str]:
+    """Run the examples; return each block's new text, by name."""
+    blocks = all_blocks()
+    base = Path(tempfile.mkdtemp(prefix="kg-docs-"))
+    run = start(base)
+    try:
+        return {name: render(name, block, run) for name, block in blocks.items() if not names or name in names}
+    finally:
+        stop(run)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# --- the files --------------------------------------------------------------------------
+
+
+def blocks_in(text: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in MARKER.finditer(text)}
+
+
+def rewrite(text: str, generated: dict[str, str]) -> str:
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        new = generated.get(name, match.group(2))
+        return f"<!-- [[[gen {name}]]] -->\n{new}<!-- [[[end]]] -->"
+
+    return MARKER.sub(replace, text)
+
+
+def stale_blocks(generated: dict[str, str]) -> list[str]:
+    """A unified diff per block whose checked-in text differs from ``generated``."""
+    problems = []
+    for label, path in FILES.items():
+        present = blocks_in(path.read_text())
+        for name, block in all_blocks().items():
+            if block.file != label:
+                continue
+            if name not in present:
+                problems.append(f"{label}: the block {name!r} is missing (add its markers)")
+            elif present[name] != generated[name]:
+                diff = difflib.unified_diff(present[name].splitlines(), generated[name].splitlines(),
+                                            f"{label} [{name}] checked in", f"{label} [{name}] generated", lineterm="")
+                problems.append("\n".join(diff))
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    generated = generate()
+    if check:
+        problems = stale_blocks(generated)
+        if problems:
+            print("\n\n".join(problems))
+            print(f"\nthe generated examples are out of date: run `{REGENERATE}` and commit the result")
+            return 1
+        print("the generated examples are up to date")
+        return 0
+    for label, path in FILES.items():
+        text = path.read_text()
+        new = rewrite(text, generated)
+        if new != text:
+            path.write_text(new)
+            print(f"rewrote {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
