@@ -29,20 +29,20 @@ SKILL.md examples are run as an agent runs them in its sandbox: ``jlk`` on
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from support import GatewayProcess  # noqa: E402  (the tests' real gateway process)
+
 JLK = REPO / "skills" / "jupyter-live-kernel" / "scripts" / "jlk"
 FILES = {"README.md": REPO / "README.md", "SKILL.md": REPO / "skills" / "jupyter-live-kernel" / "SKILL.md"}
 SHOWN_DIR = "/tmp/kgd"
@@ -77,7 +77,7 @@ class Run:
     """A gateway in a temporary directory and how to run shown commands against it."""
 
     base: Path
-    gateway: subprocess.Popen | None = None
+    gateway: GatewayProcess | None = None
     env: dict = field(default_factory=dict)
     cell_ids: dict = field(default_factory=dict)  # random cell id -> its stable stand-in
 
@@ -195,19 +195,12 @@ def set_up_agent(root: Path) -> None:
 
 
 def start(base: Path) -> Run:
+    """A gateway with its tree in ``base/var`` (the embedded defaults' layout), and the agent ``demo``."""
     run = Run(base)
     (base / ".venv" / "bin").mkdir(parents=True)
     os.symlink(JLK, base / ".venv" / "bin" / "jlk")
-    bin_dir = Path(sys.executable).parent
-    log = open(base / "gateway.log", "wb")
-    run.gateway = subprocess.Popen([str(bin_dir / "kernel-gateway"), "serve", "--Gateway.spare_kernels=False"],
-                                   cwd=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    control = base / "var" / "state" / "control.sock"
-    deadline = time.monotonic() + 60
-    while not control.exists():
-        if run.gateway.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the gateway did not start:\n" + (base / "gateway.log").read_text())
-        time.sleep(0.05)
+    (base / "var").mkdir()
+    run.gateway = GatewayProcess(base / "var", "--Gateway.spare_kernels=False").start()
     run.env = {"PATH": f"{base / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
                "HOME": str(base)}
     # The agent of the SKILL examples, with its files.
@@ -219,13 +212,8 @@ def start(base: Path) -> Run:
 
 
 def stop(run: Run) -> None:
-    if run.gateway and run.gateway.poll() is None:
-        run.gateway.send_signal(signal.SIGTERM)
-        try:
-            run.gateway.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            run.gateway.kill()
-            run.gateway.wait()
+    if run.gateway is not None:
+        run.gateway.stop()
 
 
 def shell(run: Run, command: str, cwd: Path, env: dict) -> tuple[int, str]:
