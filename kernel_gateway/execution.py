@@ -212,9 +212,10 @@ def _chosen_frames(frames: list[str]) -> list[str]:
     else:
         cells = [i for i, frame in enumerate(frames) if _is_cell_frame(frame)]
         # The outermost cell frame and the innermost ones (deep recursion stays bounded).
-        keep = set(cells[:1] + cells[-(CELL_FRAMES - 1):]) | set(range(len(frames) - TRACEBACK_FRAMES + 1, len(frames)))
-        if not cells:
-            keep |= {len(frames) - TRACEBACK_FRAMES}
+        keep = set(cells[:1] + cells[-(CELL_FRAMES - 1) :])
+        # The last library frames: one fewer when the user's frames are there to show.
+        library = TRACEBACK_FRAMES - 1 if cells else TRACEBACK_FRAMES
+        keep |= set(range(len(frames) - library, len(frames)))
     shown, previous = [], -1
     for i in sorted(keep):
         if i - previous > 1:
@@ -260,7 +261,7 @@ def short_error(error: dict) -> str:
 
 
 def _exception_line(lines: list[str], ename: Any) -> int:
-    """Index of the ``Type: message`` line in the exception block (its length if there is none)."""
+    """Index of the ``Type: message`` line in the exception block (0 if there is none)."""
     for i, line in enumerate(lines):
         if ename and (line.startswith(f"{ename}:") or line == ename):
             return i
