@@ -704,6 +704,16 @@ def test_an_error_deep_in_a_library_still_shows_the_users_lines(jlk):
     assert len(lines) < 20
 
 
+def test_deep_recursion_in_a_cell_stays_within_the_bound(jlk):
+    code = "def down(n):\n    return 1 / 0 if n == 0 else down(n - 1)\ndown(60)"
+    result = jlk("--session", "recurse", "execute", "--code", code)
+    assert result.returncode == 1
+    frames = [line for line in result.stdout.splitlines() if line.startswith("Cell In[")]
+    assert len(frames) == 3  # the outermost cell frame and the two innermost ones
+    assert "----> 3 down(60)" in result.stdout
+    assert "[... 59 frames ...]" in result.stdout
+
+
 def test_a_syntax_error_names_the_cell_and_shows_the_caret(jlk):
     result = jlk("--session", "syntax", "execute", "--code", "y = 1\nx = 1 +* 2")
     assert result.returncode == 1
