@@ -101,6 +101,16 @@ def test_a_command_for_a_notebooks_session_runs_in_the_notebooks_folder(gw):
         "POST", "/v1/agents/alice/commands", {"command": "pwd; cat near.txt", "session": "notebook:user-files/nbdir/cmd.ipynb"}
     )[1]
     assert body["stdout"] == os.path.join(gw.root, "alice", "user-files", "nbdir") + "\nn"
+    # Before the notebook's kernel has started, too: where it will start.
+    body = gw.client.call(
+        "POST", "/v1/agents/alice/commands", {"command": "pwd", "session": "notebook:user-files/nbdir/other.ipynb"}
+    )[1]
+    assert body["stdout"] == os.path.join(gw.root, "alice", "user-files", "nbdir") + "\n"
+    # A session id that only looks like one of another tree's notebooks runs in its own directory.
+    body = gw.client.call(
+        "POST", "/v1/agents/alice/commands", {"command": "pwd", "session": "notebook:../bob/x.ipynb"}
+    )[1]
+    assert body["stdout"].startswith(os.path.join(gw.root, "alice", "sessions") + "/")
 
 
 def test_read_file_and_patch_round_trip(gw):

@@ -92,9 +92,12 @@ class ClearOutputsHandler(NotebookBase):
         self.reply(store.clear_outputs(path, body.get("cell_ids"), if_match=self.if_match()))
 
 
+NOTEBOOK_SESSION = "notebook:"  # the prefix of a notebook's own session id
+
+
 def notebook_session(path: str) -> str:
     """The notebook's own session, one per notebook path."""
-    return f"notebook:{path}"[:128]
+    return f"{NOTEBOOK_SESSION}{path}"[:128]
 
 
 class RunBase(StreamingHandler, NotebookBase):

@@ -11,6 +11,7 @@ from ..errors import GatewayError, bad_request
 from ..tools import apply_patch, read_file, workspace_paths
 from ..tools.command import REQUEST_KEYS, run_command
 from . import library_routes
+from .notebook_routes import NOTEBOOK_SESSION
 from .session_routes import StreamingHandler
 from .base import BaseHandler, check_fields
 
@@ -19,13 +20,20 @@ def session_cwd(core: Any, agent: str, session: str) -> str:
     """Where a command for ``session`` starts: its kernel's working directory.
 
     That is the session directory, or for a notebook's own session the
-    notebook's folder; a session with no kernel yet gets its directory, where
-    its kernel will start.
+    notebook's folder; a session with no kernel yet gets the directory its
+    kernel will start in.
     """
     for listed in core.sessions.list(agent):
         if listed["id"] == session:
             return listed["cwd"]
     root = core.sessions.agent_root(agent)
+    if session.startswith(NOTEBOOK_SESSION) and session.endswith(".ipynb"):
+        try:
+            folder = workspace_paths.resolve_in_root(root, session[len(NOTEBOOK_SESSION) :]).parent
+        except workspace_paths.PathOutsideRoot:
+            folder = None  # not a notebook of this agent: the session's own directory, below
+        if folder is not None and folder.is_dir():
+            return str(folder)
     directory = os.path.join(root, "sessions", workspace.session_dirname(session))
     try:
         workspace_paths.mkdirs_in_root(root, directory)
