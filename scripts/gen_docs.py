@@ -69,7 +69,7 @@ class Block:
     steps: list[Step]
     fence: str = "console"
     session: str | None = None  # SKILL blocks: $JLK_SESSION of the agent typing them
-    prose: str = ""  # a line printed before the fence
+    setup: list[str] = field(default_factory=list)  # run first on the control socket, not shown
 
 
 @dataclass
@@ -155,6 +155,11 @@ def skill_blocks() -> dict[str, Block]:
         "skill-timeout": Block("SKILL.md", [
             Step("jlk execute --timeout 2 --code $'import time\\ntime.sleep(60)'", expect=124),
         ]),
+        # Last: it turns the live kernel off for the agent.
+        "skill-disabled": Block("SKILL.md", [
+            Step("jlk execute --code 1; echo exit=$?"),
+        ], setup=["""curl -s --unix-socket var/state/control.sock -X PATCH """
+                  """http://kg/v1/agents/demo/skills/jupyter-live-kernel -d '{"enabled": false}'"""]),
     }
 
 
@@ -278,6 +283,10 @@ def shorten(output: str, step: Step) -> str:
 
 
 def render(name: str, block: Block, run: Run) -> str:
+    for command in block.setup:
+        code, output = shell(run, command, run.base, run.env)
+        if code != 0:
+            raise RuntimeError(f"block {name}: setup `{command}` exited {code}:\n{output}")
     parts = []
     for step in block.steps:
         if block.file == "README.md":
