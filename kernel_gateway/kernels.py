@@ -11,6 +11,7 @@ leaving a name in the user's namespace.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from traitlets.config import Config
 
 from .provisioner import kernelspec_dict
 from .sandbox.launch import exit_status
+
+log = logging.getLogger("kernel_gateway.kernels")
 
 KERNEL_NAME = "python3"
 AGENT_SOCKET_INSIDE = "/run/kernel-gateway.sock"
@@ -118,22 +121,29 @@ class Kernel:
             config=config,
         )
         os.makedirs(options.log_dir, exist_ok=True)
-        log = open(os.path.join(options.log_dir, f"kernel-{agent}.log"), "ab")
+        kernel_log = open(os.path.join(options.log_dir, f"kernel-{agent}.log"), "ab")
         try:
-            await km.start_kernel(cwd=cwd, stdout=log, stderr=log)
+            await km.start_kernel(cwd=cwd, stdout=kernel_log, stderr=kernel_log)
             kc = km.client()
             kc.start_channels()
             try:
                 await kc.wait_for_ready(timeout=options.startup_timeout)
-            except Exception:
+            except BaseException:
                 kc.stop_channels()
                 raise
-        except Exception:
-            if km.has_kernel:
-                await km.shutdown_kernel(now=True)
-            log.close()
+        except BaseException:
+            # Cancelled (the client left) or failed: the half-started sandbox goes too.
+            try:
+                if km.has_kernel:
+                    await km.shutdown_kernel(now=True)
+                else:
+                    await km.cleanup_resources()
+            except Exception:
+                log.exception("cleaning up after a failed kernel start of agent %s", agent)
+            finally:
+                kernel_log.close()
             raise
-        return cls(km, kc, log)
+        return cls(km, kc, kernel_log)
 
     async def adopt(self, cwd: str, session_dir: str, session: str) -> None:
         """Move a spare kernel into a session: its cwd and environment, no names left behind."""

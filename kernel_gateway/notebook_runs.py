@@ -16,10 +16,29 @@ only if the notebook's cells (ids and sources) are as they were at the start.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any, Awaitable, Callable
 
 from kernel_gateway.errors import GatewayError, bad_request
 from kernel_gateway.notebooks import NotebookStore, unknown_cell
+
+SESSION_ID_MAX = 128  # as kernel_gateway.workspace.check_session_id allows
+HASH_CHARS = 16
+
+
+def notebook_session_id(path: str) -> str:
+    """The notebook's own session id, one per notebook path, never shared by two paths.
+
+    ``notebook:<path>`` when it fits; a longer one keeps its start and ends in
+    ``#`` and a hash of the whole path, so two long paths with a common
+    prefix never land on one kernel.
+    """
+    session = f"notebook:{path}"
+    if len(session) <= SESSION_ID_MAX:
+        return session
+    digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:HASH_CHARS]
+    return f"{session[: SESSION_ID_MAX - HASH_CHARS - 1]}#{digest}"
+
 
 Execute = Callable[[str, "float | None"], Awaitable[dict]]
 Restart = Callable[[], Awaitable[None]]

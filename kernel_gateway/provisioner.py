@@ -163,12 +163,16 @@ class SandboxedKernelProvisioner(LocalProvisioner):
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
+        if self._prepared is not None:
+            # Stragglers are killed and waited for without holding the event loop.
+            await self._prepared.cleanup_async()
         self._release(keep_runtime_dir=restart)
 
     def _release(self, keep_runtime_dir: bool = False) -> None:
         """Remove the sandbox's cgroup and, unless kept for a restart, its runtime dir."""
         if self._prepared is not None:
-            self._prepared.cleanup()
+            # One quick pass: the waiting, if any, happened in cleanup() above.
+            self._prepared.cleanup(timeout=0)
             self._prepared = None
         if not keep_runtime_dir and self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)

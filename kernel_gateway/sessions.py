@@ -33,6 +33,8 @@ from .sandbox.profile import ProfileError, load_profile
 from .settings import Gateway
 
 LIVE_STATES = ("starting", "idle", "busy")
+# sun_path holds 108 bytes with its terminating NUL.
+MAX_SOCKET_PATH = 107
 
 
 @dataclass
@@ -177,14 +179,34 @@ class SessionManager:
         }
 
     def ensure_agent(self, agent: str) -> bool:
-        """Create the agent's tree and socket if needed; True if the agent is new."""
+        """Create the agent's tree and socket if needed; True if the agent is new.
+
+        The agent is registered only once its socket is bound: a refused agent
+        leaves nothing behind in memory or in the registry.
+        """
         workspace.check_agent_key(agent)
+        if agent not in self.agents:
+            socket_path = self.agent_socket(agent)
+            if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+                raise GatewayError(
+                    400,
+                    "agent_socket_path_too_long",
+                    f"the socket of agent {agent!r} would be {socket_path} "
+                    f"({len(os.fsencode(socket_path))} bytes); Unix socket paths are at most {MAX_SOCKET_PATH} bytes",
+                    "use a shorter agent key, or run the gateway with a shorter --state-dir",
+                )
         quota.mount_agent_disk(self.settings, agent)  # the tree goes on the agent's own disk, if it has one
         created = workspace.create_agent_tree(self.settings.root, agent)
         self.library.ensure_agent(agent)
         if agent not in self.agents:
+            try:
+                self.on_agent(agent)
+            except OSError as e:
+                raise GatewayError(
+                    500, "agent_socket_failed", f"the socket of agent {agent!r} could not be bound: {e}",
+                    "see the gateway's log",
+                ) from e
             self.agents.add(agent)
-            self.on_agent(agent)
             self.save_registry()
             created = True
         return created
@@ -259,24 +281,28 @@ class SessionManager:
         if kernel is not None and kernel != KERNEL_NAME:
             raise bad_request(f"unknown kernel {kernel!r}", f"available: {KERNEL_NAME}", code="unknown_kernel")
         key = (agent, session_id)
-        session = self.sessions.get(key)
-        created = session is None
-        if created:
-            # Check the caps and take the slot with no await in between.
-            self._check_caps(agent)
-            directory = workspace.session_dir(self.settings.root, agent, session_id)
-            session = Session(agent=agent, id=session_id, directory=directory, cwd=cwd or directory)
-            self.sessions[key] = session
-        if session.kernel is None:  # a live session is returned at once, even while busy
+        while True:
+            session = self.sessions.get(key)
+            created = session is None
+            if created:
+                # Check the caps and take the slot with no await in between.
+                self._check_caps(agent)
+                directory = workspace.session_dir(self.settings.root, agent, session_id)
+                session = Session(agent=agent, id=session_id, directory=directory, cwd=cwd or directory)
+                self.sessions[key] = session
+            if session.kernel is not None:  # a live session is returned at once, even while busy
+                return session, created
             async with session.lock:
+                if self.sessions.get(key) is not session:
+                    continue  # stopped, or its creation failed, while we waited: start over
                 if session.kernel is None:
                     try:
                         await self._start_kernel(session, check_caps=not created)
                     except BaseException:
-                        if created:
+                        if created and self.sessions.get(key) is session:
                             self.sessions.pop(key, None)
                         raise
-        return session, created
+            return session, created
 
     async def _start_kernel(self, session: Session, check_caps: bool = True) -> None:
         """Give a session without a kernel a fresh one.  The caller holds its lock."""
@@ -285,19 +311,29 @@ class SessionManager:
         previous, session.state = session.state, "starting"
         try:
             os.makedirs(session.directory, exist_ok=True)
-            session.kernel = await self._kernel_for(session)
+            kernel = await self._kernel_for(session)
         except BaseException as e:
-            session.state = previous
-            if isinstance(e, GatewayError):
+            if session.state == "starting":
+                session.state = previous
+            if isinstance(e, (GatewayError, asyncio.CancelledError)):
                 raise
             raise disk_full(e) or GatewayError(
                 500, "kernel_start_failed", f"the kernel could not start: {e}", "run `kernel-gateway doctor`"
             ) from e
         if not self.library.kernel_enabled(session.agent):
             # Narrowed while this kernel started: it does not outlive the switch.
-            kernel, session.kernel, session.state = session.kernel, None, previous
+            if session.state != "stopped":
+                session.state = previous
             await kernel.shutdown(now=True)
             self.library.require_kernel(session.agent)
+        if session.state == "stopped":
+            # Deleted while it started: the kernel belongs to no one, so it goes now.
+            await kernel.shutdown(now=True)
+            raise GatewayError(
+                409, "session_stopped", f"session {session.id!r} was stopped while its kernel started",
+                "create it again if you still need it",
+            )
+        session.kernel = kernel
         session.state = "idle"
         session.last_activity = time.time()
         self.save_registry()
@@ -312,9 +348,12 @@ class SessionManager:
                 if await spare.is_alive():
                     await spare.adopt(session.cwd, session.directory, session.id)
                     return spare
-            except Exception:
-                pass
-            await spare.shutdown(now=True)
+            except BaseException as e:
+                await spare.shutdown(now=True)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+            else:
+                await spare.shutdown(now=True)
         return await Kernel.start(
             self._options(agent),
             agent=agent,
@@ -426,11 +465,23 @@ class SessionManager:
         if kernel is not None:
             await kernel.shutdown(now=True)
 
+    async def _acquire_unless_busy(self, session: Session, doing: str) -> None:
+        """Take the session's lock, or 409 once it stayed busy for ``busy_timeout`` seconds."""
+        try:
+            await asyncio.wait_for(session.lock.acquire(), self.settings.busy_timeout)
+        except asyncio.TimeoutError:
+            raise GatewayError(
+                409, "session_busy",
+                f"session {session.id!r} stayed busy for {self.settings.busy_timeout:g} s; could not {doing}",
+                "wait for the running cell, or interrupt it: POST .../interrupt",
+            ) from None
+
     async def inspect(self, agent: str, session_id: str, probe: Callable[[Any], Any]) -> dict:
         """Run ``probe(kernel_client)`` between executions of a live session."""
         self.library.require_kernel(agent)
         session = self.get(agent, session_id)
-        async with session.lock:
+        await self._acquire_unless_busy(session, "inspect its variables")
+        try:
             if session.kernel is None:
                 raise GatewayError(
                     409, "no_kernel", f"session {session_id!r} has no running kernel ({session.state})",
@@ -438,6 +489,8 @@ class SessionManager:
                 )
             session.last_activity = time.time()
             return await probe(session.kernel.kc)
+        finally:
+            session.lock.release()
 
     async def interrupt(self, agent: str, session_id: str) -> dict:
         self.library.require_kernel(agent)
@@ -450,13 +503,17 @@ class SessionManager:
     async def restart(self, agent: str, session_id: str) -> dict:
         self.library.require_kernel(agent)
         session = self.get(agent, session_id)
-        async with session.lock:
+        await self._acquire_unless_busy(session, "restart it")
+        try:
             old, session.kernel = session.kernel, None
             if old is not None:
+                session.state = "dead"  # until the new kernel is up: never idle without a kernel
                 await old.shutdown(now=True)
             await self._start_kernel(session, check_caps=False)
             session.execution_count = 0
             session.notice = None
+        finally:
+            session.lock.release()
         return session.to_json()
 
     async def stop(self, agent: str, session_id: str) -> None:

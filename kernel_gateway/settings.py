@@ -39,6 +39,9 @@ class Gateway(Configurable):
     max_sessions_total = Int(256, config=True, help="Live sessions in all.")
     max_spare_kernels = Int(8, config=True, help="Ready kernels kept in all (one per active agent at most).")
     spare_kernels = Bool(True, config=True, help="Keep one ready kernel per agent after its first session.")
+    busy_timeout = Float(
+        10.0, config=True, help="Seconds restart and variables wait for a busy session before answering 409."
+    )
     cull_idle_timeout = Float(3600.0, config=True, help="Shut down sessions idle this long (0: never).")
     cull_interval = Float(60.0, config=True, help="How often to look for idle sessions, in seconds.")
     max_patch_size = Int(4 << 20, config=True, help="Largest patch accepted by apply_patch, in bytes.")

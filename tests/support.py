@@ -109,3 +109,83 @@ def wait_until(predicate, timeout: float = 30, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+class InProcessGateway:
+    """The real gateway (app, core, sockets, bwrap'd kernels) on a loop thread of the test process.
+
+    Handler-level tests reach it through the same Unix sockets as a user would
+    (``client``), and reach into its core with ``call(coro_fn, ...)``, which runs
+    a coroutine on the gateway's loop and returns its result.
+    """
+
+    def __init__(self, tmp_path, **settings):
+        import asyncio as _asyncio
+        import threading as _threading
+
+        from kernel_gateway.server.app import GatewayServer
+        from kernel_gateway.settings import Gateway
+
+        self.root = str(tmp_path / "agents")
+        self.state = str(tmp_path / "state")
+        self.socket = os.path.join(self.state, "control.sock")
+        self.server = GatewayServer(Gateway(root=self.root, state_dir=self.state, **settings))
+        self.loop = _asyncio.new_event_loop()
+        self._thread = _threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
+        self._asyncio = _asyncio
+
+    def start(self) -> "InProcessGateway":
+        self._thread.start()
+        self.run(self.server.start())
+        return self
+
+    @property
+    def core(self):
+        return self.server.core
+
+    @property
+    def sessions(self):
+        return self.server.core.sessions
+
+    def run(self, coro, timeout: float = 120):
+        """Run a coroutine on the gateway's loop; return its result (or raise its exception)."""
+        return self._asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro):
+        """Start a coroutine on the gateway's loop; returns a concurrent.futures.Future."""
+        return self._asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn, *args):
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    @property
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def agent_client(self, agent: str) -> Client:
+        return Client(os.path.join(self.state, "agents", f"{agent}.sock"))
+
+    def stop(self) -> None:
+        try:
+            self.run(self.server.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+
+
+def child_sandboxes() -> list[int]:
+    """Pids of live bwrap processes whose parent is this (test) process."""
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if comm == "bwrap" and int(fields[1]) == me and fields[0] != "Z":
+            found.append(int(name))
+    return found

@@ -13,11 +13,13 @@ from a short-lived worker thread, or the sandbox dies with that thread.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import resource
 import shutil
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -129,6 +131,16 @@ class PreparedSandbox:
             if self.cgroup.dirs:
                 return False
             self.cgroup = None
+        return True
+
+
+    async def cleanup_async(self, timeout: float = 2.0) -> bool:
+        """:meth:`cleanup` for the event loop: it waits between passes without blocking the loop."""
+        deadline = time.monotonic() + timeout
+        while not self.cleanup(timeout=0):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
         return True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ from ..sessions import SessionManager
 from ..settings import Gateway
 from . import job_routes, library_routes, notebook_routes, session_routes, tool_routes
 from .base import NotFoundHandler
+
+log = logging.getLogger("kernel_gateway")
 
 ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes, job_routes]
 
@@ -173,7 +176,11 @@ class GatewayServer:
                 raise SystemExit(f"kernel-gateway: cannot prepare the Agent Library of {agent!r}: {e}") from None
         self._listen(s.socket, None)
         for agent in sorted(sessions.agents):
-            self._agent_created(agent)
+            try:
+                self._agent_created(agent)
+            except OSError:
+                log.exception("agent %s: its socket could not be bound; it stays unregistered", agent)
+                sessions.agents.discard(agent)
         sessions.on_agent = self._agent_created
         self.core.jobs = JobManager(s, sessions)
         await self.core.jobs.start()  # after the sweep: lost jobs' cgroups are gone

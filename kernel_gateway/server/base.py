@@ -44,6 +44,7 @@ class BaseHandler(web.RequestHandler):
         self._agent: str | None = None
         self._session: str | None = None
         self._bytes_out = 0
+        self._code: str | None = None  # what the audit log records when audit_code is on
 
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "application/json")
@@ -162,6 +163,7 @@ class BaseHandler(web.RequestHandler):
             duration_ms=(time.monotonic() - self._started) * 1000,
             bytes_in=len(self.request.body or b""),
             bytes_out=self._bytes_out,
+            code=self._code,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -36,6 +37,10 @@ class NotebookBase(BaseHandler):
     def if_match(self) -> str | None:
         return self.request.headers.get("If-Match")
 
+    async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Store calls fsync and take a per-file lock that run-alls hold from threads: never on the loop."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
     def reply(self, result: dict, status: int = 200) -> None:
         if "etag" in result:
             self.set_header("ETag", result["etag"])
@@ -43,10 +48,11 @@ class NotebookBase(BaseHandler):
 
 
 class NotebookHandler(NotebookBase):
-    def get(self, agent: str, path: str) -> None:
-        self.reply(self.store(agent).contents(path, include_outputs=self.query_bool("outputs")))
+    async def get(self, agent: str, path: str) -> None:
+        store = self.store(agent)
+        self.reply(await self.off_loop(store.contents, path, include_outputs=self.query_bool("outputs")))
 
-    def put(self, agent: str, path: str) -> None:
+    async def put(self, agent: str, path: str) -> None:
         store = self.store(agent)
         try:
             notebook = json.loads(self.request.body or b"")
@@ -54,50 +60,47 @@ class NotebookHandler(NotebookBase):
             raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
         if not isinstance(notebook, dict):
             raise bad_request("the body must be a notebook (a JSON object)", code="malformed_json")
-        result = store.put(path, notebook, if_match=self.if_match())
+        result = await self.off_loop(store.put, path, notebook, if_match=self.if_match())
         self.reply(result, 201 if result["created"] else 200)
 
 
 class CellsHandler(NotebookBase):
-    def post(self, agent: str, path: str) -> None:
+    async def post(self, agent: str, path: str) -> None:
         store = self.store(agent)
         body = self.json_body({"index": int, "cell_type": str, "source": str}, required=("index", "source"))
-        result = store.insert_cell(
-            path, body["index"], body.get("cell_type", "code"), body["source"], if_match=self.if_match()
+        result = await self.off_loop(
+            store.insert_cell,
+            path, body["index"], body.get("cell_type", "code"), body["source"], if_match=self.if_match(),
         )
         self.reply(result, 201)
 
 
 class CellHandler(NotebookBase):
-    def patch(self, agent: str, path: str, cell_id: str) -> None:
+    async def patch(self, agent: str, path: str, cell_id: str) -> None:
         store = self.store(agent)
         body = self.json_body({"source": str}, required=("source",))
-        self.reply(store.replace_source(path, cell_id, body["source"], if_match=self.if_match()))
+        self.reply(await self.off_loop(store.replace_source, path, cell_id, body["source"], if_match=self.if_match()))
 
-    def delete(self, agent: str, path: str, cell_id: str) -> None:
-        self.reply(self.store(agent).delete_cell(path, cell_id, if_match=self.if_match()))
+    async def delete(self, agent: str, path: str, cell_id: str) -> None:
+        store = self.store(agent)
+        self.reply(await self.off_loop(store.delete_cell, path, cell_id, if_match=self.if_match()))
 
 
 class MoveHandler(NotebookBase):
-    def post(self, agent: str, path: str, cell_id: str) -> None:
+    async def post(self, agent: str, path: str, cell_id: str) -> None:
         store = self.store(agent)
         body = self.json_body({"to_index": int}, required=("to_index",))
-        self.reply(store.move_cell(path, cell_id, body["to_index"], if_match=self.if_match()))
+        self.reply(await self.off_loop(store.move_cell, path, cell_id, body["to_index"], if_match=self.if_match()))
 
 
 class ClearOutputsHandler(NotebookBase):
-    def post(self, agent: str, path: str) -> None:
+    async def post(self, agent: str, path: str) -> None:
         store = self.store(agent)
         body = self.json_body({"cell_ids": list})
-        self.reply(store.clear_outputs(path, body.get("cell_ids"), if_match=self.if_match()))
+        self.reply(await self.off_loop(store.clear_outputs, path, body.get("cell_ids"), if_match=self.if_match()))
 
 
 NOTEBOOK_SESSION = "notebook:"  # the prefix of a notebook's own session id
-
-
-def notebook_session(path: str) -> str:
-    """The notebook's own session, one per notebook path."""
-    return f"{NOTEBOOK_SESSION}{path}"[:128]
 
 
 class RunBase(StreamingHandler, NotebookBase):
@@ -107,7 +110,7 @@ class RunBase(StreamingHandler, NotebookBase):
         """The session to run in; the notebook's own one starts in the notebook's folder, as in Jupyter."""
         if session:
             return self.session_arg(session)
-        session = self.session_arg(notebook_session(path))
+        session = self.session_arg(notebook_runs.notebook_session_id(path))
         folder = workspace_paths.resolve_in_root(self.core.sessions.agent_root(agent), path).parent
         await self.core.sessions.get_or_create(agent, session, cwd=str(folder))
         return session
@@ -125,7 +128,8 @@ class ExecuteCellHandler(RunBase):
         store = self.store(agent)
         body = self.json_body({"session": str, "code": str, "timeout": (int, float, type(None)), "save_outputs": bool})
         timeout = self.check_timeout(body)
-        store.contents(path)  # a missing or broken notebook fails before any kernel starts
+        self._code = body.get("code")
+        await self.off_loop(store.contents, path)  # a missing or broken notebook fails before any kernel starts
         session = await self.notebook_session(self._agent, path, body.get("session"))
         result = await notebook_runs.run_cell(
             store,
@@ -147,7 +151,7 @@ class RunAllHandler(RunBase):
         )
         timeout = self.check_timeout(body)
         agent = self._agent
-        store.contents(path)  # a missing or broken notebook fails before any kernel starts
+        await self.off_loop(store.contents, path)  # a missing or broken notebook fails before any kernel starts
         session = await self.notebook_session(agent, path, body.get("session"))
 
         async def restart() -> None:

@@ -110,6 +110,7 @@ class StreamingHandler(BaseHandler):
     """NDJSON responses with keep-alives; a client that leaves cancels the work."""
 
     _task: asyncio.Task | None = None
+    _client_left = False
 
     def wants_stream(self, body: dict) -> bool:
         return body.get("stream") is True or NDJSON in self.request.headers.get("Accept", "")
@@ -146,7 +147,12 @@ class StreamingHandler(BaseHandler):
 
         self._task = asyncio.ensure_future(work(on_output))
         if not stream:
-            result = await self._task
+            try:
+                result = await self._task
+            except asyncio.CancelledError:
+                if self._client_left:
+                    return  # the client left and its work was cancelled: no one to answer
+                raise
             self.send_json(result, self.status_for(result))
             return
         while True:
@@ -158,6 +164,8 @@ class StreamingHandler(BaseHandler):
             result = self._task.result()
         except GatewayError as e:
             result = e.to_json()
+        except asyncio.CancelledError:
+            return  # the client left
         await self.write_line({"event": "result", **result})
         self.finish()
 
@@ -166,6 +174,7 @@ class StreamingHandler(BaseHandler):
 
     def on_connection_close(self) -> None:
         # The client left: cancelling interrupts a running cell (see run_cell).
+        self._client_left = True
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
@@ -181,6 +190,7 @@ class ExecuteHandler(StreamingHandler):
         )
         timeout = self.check_timeout(body)
         self.core.sessions.require_agent(agent)
+        self._code = body["code"]
 
         async def work(on_output: Any) -> dict:
             return await self.core.sessions.execute(

@@ -42,7 +42,9 @@ def session_cwd(core: Any, agent: str, session: str) -> str:
     return directory
 
 
-async def run_in_command_sandbox(core: Any, agent: str, request: dict, on_event: Any = None) -> dict:
+async def run_in_command_sandbox(
+    core: Any, agent: str, request: dict, on_event: Any = None, max_stdin: int = 1 << 20
+) -> dict:
     """One command in a fresh sandbox from the agent's ``command`` profile."""
     sessions = core.sessions
     return await run_command(
@@ -55,6 +57,7 @@ async def run_in_command_sandbox(core: Any, agent: str, request: dict, on_event:
         session_cwd=lambda session: session_cwd(core, agent, session),
         output_limit=core.settings.output_limit,
         bwrap=core.settings.bwrap or None,
+        max_stdin=max_stdin,
     )
 
 
@@ -66,6 +69,7 @@ class CommandHandler(StreamingHandler):
         self.core.sessions.require_agent(agent)
         # run_command checks each field's type and value; here only the JSON and the field names.
         body = self.json_body(dict.fromkeys(REQUEST_KEYS, object))
+        self._code = body.get("command") if isinstance(body.get("command"), str) else json.dumps(body.get("argv"))
 
         async def work(on_output: Any) -> dict:
             return await run_in_command_sandbox(self.core, agent, body, on_output)
@@ -150,6 +154,7 @@ class PatchHandler(BaseHandler):
         root = sessions.agent_root(agent)
         patch, cwd = self._patch_and_cwd(root)
         library_routes.refuse_protected(self.core, agent, library_routes.patch_targets(root, patch, cwd))
+        self._code = patch
         external = self.core.settings.apply_patch_command
         if external:
             result = await self._external(agent, external, patch, cwd)
@@ -165,7 +170,11 @@ class PatchHandler(BaseHandler):
 
     async def _external(self, agent: str, command: str, patch: str, cwd: str) -> dict:
         """The operator's own apply_patch binary, in the command sandbox over the workspace."""
-        ran = await run_in_command_sandbox(self.core, agent, {"argv": [command, patch], "cwd": cwd})
+        # On stdin: one argv element holds at most 128 KiB (E2BIG past it), a patch up to max_patch_size.
+        ran = await run_in_command_sandbox(
+            self.core, agent, {"argv": [command], "cwd": cwd, "stdin": patch},
+            max_stdin=self.core.settings.max_patch_size,
+        )
         return {
             "ok": ran["exit_code"] == 0,
             "output": ran["stdout"] + ran["stderr"],

@@ -50,3 +50,28 @@ def test_external_apply_patch_runs_sandboxed_and_matches_ours(tmp_path, referenc
         assert body["output"] == expected and "Failed to find" in expected
     finally:
         gw.stop()
+
+
+def test_external_apply_patch_takes_a_patch_past_one_argv_element(tmp_path, reference):
+    """Linux caps one argv element at 128 KiB (E2BIG): the patch goes in on stdin."""
+    with open(PROFILE) as f:
+        profile = json.load(f)
+    profile["sandbox"]["read_only"].append({"from": os.path.realpath(reference), "at": INSIDE})
+    (tmp_path / "command.json").write_text(json.dumps(profile))
+    gw = GatewayProcess(
+        tmp_path,
+        f"--Gateway.command_profile={tmp_path / 'command.json'}",
+        f"--Gateway.apply_patch_command={INSIDE}",
+    ).start()
+    try:
+        gw.client.call("PUT", "/v1/agents/a")
+        lines = [f"line {n:07d} " + "x" * 40 for n in range(4000)]  # ~220 KiB
+        patch = "*** Begin Patch\n*** Add File: user-files/big.txt\n" + "".join(f"+{l}\n" for l in lines)
+        patch += "*** End Patch\n"
+        assert len(patch.encode()) > 128 * 1024
+        status, body = gw.client.call("POST", "/v1/agents/a/patch", raw=patch.encode())
+        assert status == 200 and body["ok"] is True, body
+        with open(os.path.join(gw.root, "a", "user-files", "big.txt")) as f:
+            assert f.read() == "".join(f"{l}\n" for l in lines)
+    finally:
+        gw.stop()
