@@ -302,15 +302,19 @@ async def run_cell(
     limit: int,
     inline_images: bool = False,
     on_output: OutputCallback | None = None,
+    on_request: Callable[[str], None] | None = None,
 ) -> dict:
     """Execute ``code`` and gather its result.  The caller holds the session's lock.
 
     A timeout interrupts the kernel and returns what came so far with status
-    ``timeout``; a dead kernel raises :class:`KernelDied`.
+    ``timeout``; a dead kernel raises :class:`KernelDied`.  ``on_request``
+    learns the execute request's msg_id.
     """
     run = CellRun(limit=limit, inline_images=inline_images)
     started = time.monotonic()
     msg_id = kc.execute(code, allow_stdin=False, stop_on_error=False)
+    if on_request is not None:
+        on_request(msg_id)
     deadline = None if timeout is None else started + timeout
     try:
         await _gather(kc, run, msg_id, deadline, interrupt, is_alive, exit_status, on_output)

@@ -260,9 +260,11 @@ def _source(agent_root: str, source: Any) -> str:
 class JobManager:
     """Every agent's jobs: submit, list, cancel, apply, delete; runs the queue."""
 
-    def __init__(self, settings: Any, sessions: Any):
+    def __init__(self, settings: Any, core: Any):
         self.settings = settings
-        self.sessions = sessions
+        self.agents = core.agents  # agent roots, sandbox values, profiles
+        self.pool = core.pool  # the cgroup prefix of this gateway's sandboxes
+        self.library = core.library
         self.store = JobStore(settings.state_dir)
         self.jobs: dict[str, Job] = {}
         self._tasks: dict[str, asyncio.Task] = {}
@@ -315,7 +317,7 @@ class JobManager:
         if "from" not in body:
             raise bad_request("missing field 'from'", "the directory of the agent's tree the job works on",
                               code="missing_field")
-        root = self.sessions.agent_root(agent)
+        root = self.agents.agent_root(agent)
         source = _source(root, body["from"])
         command, objective = None, None
         if kind == "command":
@@ -353,7 +355,7 @@ class JobManager:
         return job
 
     def render(self, job: Job) -> dict:
-        return job.to_json(self.sessions.agent_root(job.agent))
+        return job.to_json(self.agents.agent_root(job.agent))
 
     def cancel(self, agent: str, job_id: str) -> dict:
         job = self.get(agent, job_id)
@@ -427,12 +429,12 @@ class JobManager:
         profile = copy.deepcopy(self.base_profile(job.agent, job.kind))
         profile["limits"] = dict(job.limits)
         return job_runner.Context(
-            agent_root=self.sessions.agent_root(job.agent),
-            values=self.sessions.sandbox_values(job.agent),
-            command_profile=self.sessions.profile(job.agent, "command"),
+            agent_root=self.agents.agent_root(job.agent),
+            values=self.agents.sandbox_values(job.agent),
+            command_profile=self.agents.profile(job.agent, "command"),
             job_profile=profile,
             bwrap=self.settings.bwrap or None,
-            cgroup_name=f"{self.sessions.cgroup_prefix}-job-{job.id}",
+            cgroup_name=f"{self.pool.cgroup_prefix}-job-{job.id}",
             output_limit=self.settings.output_limit,
             patch_limit=self.settings.job_patch_limit,
         )
@@ -460,7 +462,7 @@ class JobManager:
             extra = None
             if job.kind == "codex":
                 extra = codex_runner.prepare(self.settings, job)
-            library = getattr(self.sessions, "library", None)
+            library = self.library
             skills = None if library is None else (
                 lambda: library.materialize_skills(job.agent, ctx.agent_root, f"{job.workspace}/skills"))
             outcome = await job_runner.run(ctx, job, self._cancel[job.id], codex=extra, skills=skills)

@@ -1,7 +1,8 @@
 """Start, adopt and stop one sandboxed kernel of one agent.
 
-A :class:`Kernel` is an ``AsyncKernelManager`` using the bwrap provisioner
-plus a started client.  The gateway keeps its kernelspec in the state
+A :class:`Kernel` is an ``AsyncKernelManager`` using the bwrap provisioner,
+a kernel id (a UUID, as in Jupyter), the clients attached to it and the state
+observed on its iopub channel.  The gateway keeps its kernelspec in the state
 directory, so no Jupyter data directory of the host is consulted.  A spare
 kernel is started in the agent's root and *adopted* by a session later: it
 moves to the session's directory and learns the session's id, without
@@ -10,15 +11,21 @@ leaving a name in the user's namespace.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import logging
 import os
+import queue
 import shutil
+import time
+import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.session import Session
 from traitlets.config import Config
 
 from .provisioner import kernelspec_dict
@@ -27,6 +34,8 @@ from .sandbox.launch import exit_status
 log = logging.getLogger("kernel_gateway.kernels")
 
 KERNEL_NAME = "python3"
+WATCH_POLL_SECONDS = 2.0  # how often a silent kernel is checked for being alive
+SETTLE_SECONDS = 2.0
 AGENT_SOCKET_INSIDE = "/run/kernel-gateway.sock"
 # The output-bounding extension is one stdlib-only file, bound read-only into
 # the sandbox: it works whether the package is installed or run from a checkout.
@@ -75,12 +84,31 @@ class KernelOptions:
 
 
 class Kernel:
-    """A running sandboxed kernel and its client."""
+    """A running sandboxed kernel: its id, its manager, and the clients attached to it.
 
-    def __init__(self, km: AsyncKernelManager, kc: Any, log: Any):
+    Each user of the kernel has a client (a connection) of its own, so none
+    reads another's replies: ``kc`` is the gateway's executor, ``probe`` the
+    variables inspector, :meth:`connect` hands out more (Jupyter websockets).
+    A watcher client reads iopub only and keeps the observed state:
+    ``execution_state`` (``starting | idle | busy | dead``) and
+    ``last_activity``, as jupyter_server's ``start_watching_activity`` does.
+    """
+
+    def __init__(self, km: AsyncKernelManager, kc: Any, log: Any, *, agent: str = "", kernel_id: str = ""):
         self.km = km
         self.kc = kc
         self._log = log
+        self.id = kernel_id or str(uuid.uuid4())
+        self.agent = agent
+        self.execution_state = "starting"
+        self.last_activity = time.time()
+        self.connections = 0
+        self.on_death: Callable[["Kernel"], Any] | None = None
+        self._probe: Any = None
+        self._watch: Any = None
+        self._watch_task: asyncio.Task | None = None
+        self._idle_for: collections.deque[str] = collections.deque(maxlen=256)
+        self._state_changed = asyncio.Event()
 
     @classmethod
     async def start(
@@ -126,9 +154,16 @@ class Kernel:
             await km.start_kernel(cwd=cwd, stdout=kernel_log, stderr=kernel_log)
             kc = km.client()
             kc.start_channels()
+            kernel = cls(km, kc, kernel_log, agent=agent)
+            # Watching starts before the kernel answers, so its first statuses are seen.
+            kernel._start_watching()
             try:
                 await kc.wait_for_ready(timeout=options.startup_timeout)
+                await kernel._settle(kc.kernel_info())
+                if kernel.execution_state == "starting":  # it answered: idle, whatever the watcher missed
+                    kernel.execution_state = "idle"
             except BaseException:
+                await kernel._stop_watching()
                 kc.stop_channels()
                 raise
         except BaseException:
@@ -143,7 +178,7 @@ class Kernel:
             finally:
                 kernel_log.close()
             raise
-        return cls(km, kc, kernel_log)
+        return kernel
 
     async def adopt(self, cwd: str, session_dir: str, session: str) -> None:
         """Move a spare kernel into a session: its cwd and environment, no names left behind."""
@@ -160,6 +195,131 @@ class Kernel:
                 break
         if reply["content"]["status"] != "ok":
             raise RuntimeError(f"could not move the spare kernel into {cwd}: {reply['content'].get('evalue')}")
+        await self._settle(msg_id)
+
+    # --- observed state -----------------------------------------------------
+
+    def _new_client(self, **channels: bool) -> Any:
+        """A client with sockets and a Jupyter session of its own.
+
+        Sharing the manager's session object between two clients that send on
+        shell makes ipykernel stop publishing for the first one's requests.
+        """
+        session = Session(key=self.km.session.key, signature_scheme=self.km.session.signature_scheme)
+        client = self.km.client(session=session)
+        client.start_channels(**channels)
+        return client
+
+    def _start_watching(self) -> None:
+        self._watch = self.km.client()
+        self._watch.start_channels(shell=False, iopub=True, stdin=False, hb=False, control=False)
+        self._watch_task = asyncio.ensure_future(self._watch_iopub())
+
+    async def _watch_iopub(self) -> None:
+        """Every iopub message is activity; status messages are the state."""
+        try:
+            while True:
+                try:
+                    msg = await self._watch.get_iopub_msg(timeout=WATCH_POLL_SECONDS)
+                except (queue.Empty, asyncio.TimeoutError, TimeoutError):
+                    if not await self.km.is_alive():
+                        self._died()
+                        return
+                    continue
+                self.last_activity = time.time()
+                if msg["header"].get("msg_type") == "status":
+                    state = msg["content"].get("execution_state")
+                    if state in ("starting", "idle", "busy"):
+                        self.execution_state = state
+                    if state == "idle":
+                        self._idle_for.append(msg.get("parent_header", {}).get("msg_id", ""))
+                    self._state_changed.set()
+                    self._state_changed = asyncio.Event()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kernel %s of agent %s: watching its iopub failed", self.id, self.agent)
+
+    def _died(self) -> None:
+        if self.execution_state == "dead":
+            return
+        self.execution_state = "dead"
+        self._state_changed.set()
+        if self.on_death is not None:
+            self.on_death(self)
+
+    def mark_dead(self) -> None:
+        """The executor saw the process end: the state says so at once."""
+        self._died()
+
+    async def _settle(self, msg_id: str, timeout: float = SETTLE_SECONDS) -> None:
+        """Wait (briefly) until the watcher has seen the idle status of request ``msg_id``.
+
+        The executor and the watcher read iopub on separate connections; after
+        this, the observed state is no older than the reply the caller got.
+        """
+        deadline = time.monotonic() + timeout
+        while msg_id not in self._idle_for and self.execution_state != "dead":
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._state_changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    async def settle(self, msg_id: str | None) -> None:
+        if msg_id:
+            await self._settle(msg_id)
+
+    def touch(self) -> None:
+        """Client traffic counts as activity, as in jupyter_server."""
+        self.last_activity = time.time()
+
+    async def _stop_watching(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            try:
+                await self._watch_task
+            except BaseException:
+                pass
+            self._watch_task = None
+        if self._watch is not None:
+            self._watch.stop_channels()
+            self._watch = None
+
+    # --- clients ------------------------------------------------------------
+
+    def probe_client(self) -> Any:
+        """The variables inspector's own client (shell only): it never reads the executor's replies."""
+        if self._probe is None:
+            self._probe = self._new_client(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        return self._probe
+
+    def connect(self, **channels: bool) -> Any:
+        """A new client of this kernel with its own sockets; counted in ``connections``.
+
+        Call :meth:`disconnect` with it when done.
+        """
+        client = self._new_client(**channels)
+        self.connections += 1
+        self.touch()
+        return client
+
+    def disconnect(self, client: Any) -> None:
+        client.stop_channels()
+        self.connections = max(0, self.connections - 1)
+        self.touch()
+
+    def to_json(self) -> dict:
+        """The kernel's model, in Jupyter Server's shape."""
+        return {
+            "id": self.id,
+            "name": KERNEL_NAME,
+            "execution_state": self.execution_state,
+            "last_activity": self.last_activity,
+            "connections": self.connections,
+        }
 
     async def is_alive(self) -> bool:
         return await self.km.is_alive()
@@ -177,6 +337,10 @@ class Kernel:
 
     async def shutdown(self, now: bool = False) -> None:
         try:
+            await self._stop_watching()
+            if self._probe is not None:
+                self._probe.stop_channels()
+                self._probe = None
             self.kc.stop_channels()
             if self.km.has_kernel:
                 await self.km.shutdown_kernel(now=now)
@@ -184,4 +348,5 @@ class Kernel:
                 # Already dead: still run the provisioner's cleanup (cgroup, runtime dir).
                 await self.km.cleanup_resources()
         finally:
+            self.execution_state = "dead"
             self._log.close()

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable
 from kernel_gateway.errors import GatewayError, bad_request
 from kernel_gateway.notebooks import NotebookStore, unknown_cell
 
+NOTEBOOK_SESSION = "notebook:"  # the prefix of a notebook's own session id
 SESSION_ID_MAX = 128  # as kernel_gateway.workspace.check_session_id allows
 HASH_CHARS = 16
 
@@ -33,7 +34,7 @@ def notebook_session_id(path: str) -> str:
     ``#`` and a hash of the whole path, so two long paths with a common
     prefix never land on one kernel.
     """
-    session = f"notebook:{path}"
+    session = f"{NOTEBOOK_SESSION}{path}"
     if len(session) <= SESSION_ID_MAX:
         return session
     digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:HASH_CHARS]

@@ -1,40 +1,38 @@
-"""Agents and their sessions: the gateway's core, with no HTTP in it.
+"""Sessions: the names an agent gives its kernels, with no HTTP in it.
 
-One :class:`SessionManager` owns every live kernel.  Executions in one
+A session is ``(agent, id)``, a directory and, while it runs, a kernel from
+the :class:`~kernel_gateway.kernel_pool.KernelPool`.  Executions in one
 session run one at a time in arrival order (an ``asyncio.Lock`` is FIFO);
 different sessions run in parallel.  Caps are checked and the slot taken in
-one synchronous step, so concurrent creates cannot exceed them.  The registry
-on disk lists every session; after a gateway restart the earlier ones show as
-``lost`` until they are used again.
+one synchronous step, so concurrent creates cannot exceed them.  A session's
+state is its kernel's observed state; without a kernel it is ``starting``,
+``dead`` (its kernel died or a restart failed) or ``lost`` (the gateway
+restarted).  The registry on disk lists every session; after a gateway
+restart the earlier ones show as ``lost`` until they are used again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
 import json
+import logging
 import os
-import shutil
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import audit, workspace
+from . import workspace
+from .agents import AgentRegistry
 from .errors import GatewayError, bad_request, disk_full, not_found
 from .execution import KernelDied, OutputCallback, bare_result, run_cell
-from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
+from .kernel_pool import KernelPool
+from .kernels import KERNEL_NAME, Kernel
 from .library import Library
-from .provisioner import python_env_paths
-from .sandbox import cgroups, quota
-from .sandbox.profile import ProfileError, load_profile
 from .settings import Gateway
 
+log = logging.getLogger("kernel_gateway.sessions")
+
 LIVE_STATES = ("starting", "idle", "busy")
-# sun_path holds 108 bytes with its terminating NUL.
-MAX_SOCKET_PATH = 107
 
 
 @dataclass
@@ -44,7 +42,7 @@ class Session:
     directory: str  # sessions/<base64url id>/: HOME, spilled outputs and artifacts
     cwd: str = ""  # the kernel's working directory; the session directory unless set
     kernel_name: str = KERNEL_NAME
-    state: str = "starting"
+    status: str = "starting"  # the state while there is no kernel: starting | dead | lost | stopped
     created: float = field(default_factory=time.time)
     last_activity: float = field(default_factory=time.time)
     execution_count: int = 0
@@ -52,57 +50,60 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     notice: str | None = None
 
+    @property
+    def state(self) -> str:
+        """Observed: the kernel's execution state, or why there is no kernel."""
+        if self.status == "stopped" or self.kernel is None:
+            return self.status
+        return self.kernel.execution_state
+
+    @property
+    def activity(self) -> float:
+        return max(self.last_activity, self.kernel.last_activity if self.kernel else 0.0)
+
     def to_json(self) -> dict:
         return {
             "id": self.id,
             "agent": self.agent,
             "state": self.state,
+            "execution_state": self.state,
+            "kernel": self.kernel_name,
+            "kernel_id": self.kernel.id if self.kernel else None,
+            "connections": self.kernel.connections if self.kernel else 0,
+            "cwd": self.cwd or self.directory,
+            "directory": self.directory,
+            "execution_count": self.execution_count,
+            "created": self.created,
+            "last_activity": self.activity,
+            "pid": self.kernel.pid if self.kernel else None,
+        }
+
+    def saved(self) -> dict:
+        """What the registry keeps: nothing of the kernel, which does not survive the gateway."""
+        return {
+            "id": self.id,
+            "agent": self.agent,
             "kernel": self.kernel_name,
             "cwd": self.cwd or self.directory,
             "directory": self.directory,
             "execution_count": self.execution_count,
             "created": self.created,
-            "last_activity": self.last_activity,
-            "pid": self.kernel.pid if self.kernel else None,
+            "last_activity": self.activity,
         }
 
 
-class SessionManager:
-    """Agents, sessions, spare kernels, caps and culling."""
+class Sessions:
+    """Every session of every agent, their kernels' lifecycle and their executions."""
 
-    def __init__(self, settings: Gateway, on_agent: Callable[[str], Any] | None = None):
+    def __init__(self, settings: Gateway, agents: AgentRegistry, pool: KernelPool, library: Library):
         self.settings = settings
-        self.on_agent = on_agent or (lambda agent: None)
+        self.agents = agents
+        self.pool = pool
+        self.library = library  # its gate: no kernel while the jupyter-live-kernel skill is disabled
         self.sessions: dict[tuple[str, str], Session] = {}
-        self.agents: set[str] = set()
-        self.spares: dict[str, Kernel] = {}
-        self._spare_tasks: dict[str, asyncio.Task] = {}
         self._registry_path = os.path.join(settings.state_dir, "registry.json")
-        self.library = Library(settings.root, settings.state_dir)  # skills, documents, the kernel gate
-        self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
-        kernelspec_dir = write_kernelspec(settings.state_dir)
-        # Names that belong to this state directory, so a restart can sweep what
-        # a killed predecessor left (runtime dirs stay short: ipc paths <= 107 bytes).
-        instance = hashlib.sha256(settings.state_dir.encode()).hexdigest()[:10]
-        self.runtime_root = os.path.join(tempfile.gettempdir(), f"kg-{instance}")
-        self.cgroup_prefix = f"kg-{instance}"
-        self._options = lambda agent: KernelOptions(
-            kernelspec_dir=kernelspec_dir,
-            profile=settings.profile_for(agent, "kernel"),
-            bwrap=settings.bwrap,
-            log_dir=os.path.join(settings.state_dir, "logs"),
-            output_limit=settings.output_limit,
-            startup_timeout=settings.startup_timeout,
-            runtime_root=self.runtime_root,
-            cgroup_prefix=self.cgroup_prefix,
-            read_only=tuple(self.library.read_only_binds(agent)),
-        )
-
-    def sweep_leftovers(self) -> None:
-        """Remove runtime dirs and cgroups of kernels of an earlier run (their kernels are gone)."""
-        shutil.rmtree(self.runtime_root, ignore_errors=True)
-        os.makedirs(self.runtime_root, mode=0o700, exist_ok=True)
-        cgroups.sweep(self.cgroup_prefix + "-")
+        agents.on_change = self.save_registry
+        pool.is_agent = lambda agent: agent in agents
 
     # --- registry ---------------------------------------------------------------
 
@@ -113,9 +114,7 @@ class SessionManager:
                 saved = json.load(f)
         except (OSError, ValueError):
             saved = {}
-        for agent in saved.get("agents", []):
-            if os.path.isdir(workspace.agent_root(self.settings.root, agent)):
-                self.agents.add(agent)
+        self.agents.load(saved.get("agents", []))
         for item in saved.get("sessions", []):
             if item.get("agent") in self.agents:
                 session = Session(
@@ -123,7 +122,7 @@ class SessionManager:
                     id=item["id"],
                     directory=workspace.session_dir(self.settings.root, item["agent"], item["id"]),
                     cwd=item["cwd"],
-                    state="lost",
+                    status="lost",
                     created=item.get("created", time.time()),
                     last_activity=item.get("last_activity", time.time()),
                     execution_count=item.get("execution_count", 0),
@@ -136,12 +135,8 @@ class SessionManager:
 
     def save_registry(self) -> None:
         data = {
-            "agents": sorted(self.agents),
-            "sessions": [
-                {k: v for k, v in s.to_json().items() if k not in ("state", "pid")}
-                for s in self.sessions.values()
-                if s.state != "stopped"
-            ],
+            "agents": sorted(self.agents.agents),
+            "sessions": [s.saved() for s in self.sessions.values() if s.status != "stopped"],
         }
         tmp = self._registry_path + ".tmp"
         with open(tmp, "w") as f:
@@ -150,99 +145,31 @@ class SessionManager:
             os.fsync(f.fileno())
         os.replace(tmp, self._registry_path)
 
-    # --- agents -----------------------------------------------------------------
-
-    def agent_root(self, agent: str) -> str:
-        return workspace.agent_root(self.settings.root, agent)
-
-    def agent_socket(self, agent: str) -> str:
-        return os.path.join(self.settings.state_dir, "agents", f"{agent}.sock")
-
-    @functools.lru_cache(maxsize=None)
-    def profile(self, agent: str, kind: str) -> dict:
-        """The agent's sandbox profile of one kind, loaded once."""
-        try:
-            return load_profile(self.settings.profile_for(agent, kind))
-        except ProfileError as e:
-            raise GatewayError(500, "bad_profile", f"the {kind} profile of {agent!r} is invalid: {e}") from None
-
-    def sandbox_values(self, agent: str) -> dict[str, str]:
-        """Placeholder values for an agent's command sandboxes (``workspace`` is set per call)."""
-        prefix, base = python_env_paths(sys.executable)
-        return {
-            "agent": agent,
-            "agent_root": self.agent_root(agent),
-            "python_prefix": prefix,
-            "python_base_prefix": base,
-            "python_bin": os.path.join(prefix, "bin"),
-            "agent_socket": self.agent_socket(agent),
-        }
-
-    def ensure_agent(self, agent: str) -> bool:
-        """Create the agent's tree and socket if needed; True if the agent is new.
-
-        The agent is registered only once its socket is bound: a refused agent
-        leaves nothing behind in memory or in the registry.
-        """
-        workspace.check_agent_key(agent)
-        if agent not in self.agents:
-            socket_path = self.agent_socket(agent)
-            if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
-                raise GatewayError(
-                    400,
-                    "agent_socket_path_too_long",
-                    f"the socket of agent {agent!r} would be {socket_path} "
-                    f"({len(os.fsencode(socket_path))} bytes); Unix socket paths are at most {MAX_SOCKET_PATH} bytes",
-                    "use a shorter agent key, or run the gateway with a shorter --state-dir",
-                )
-        quota.mount_agent_disk(self.settings, agent)  # the tree goes on the agent's own disk, if it has one
-        created = workspace.create_agent_tree(self.settings.root, agent)
-        self.library.ensure_agent(agent)
-        if agent not in self.agents:
-            try:
-                self.on_agent(agent)
-            except OSError as e:
-                raise GatewayError(
-                    500, "agent_socket_failed", f"the socket of agent {agent!r} could not be bound: {e}",
-                    "see the gateway's log",
-                ) from e
-            self.agents.add(agent)
-            self.save_registry()
-            created = True
-        return created
-
-    def require_agent(self, agent: str) -> None:
-        workspace.check_agent_key(agent)
-        if agent not in self.agents:
-            raise not_found(
-                f"no agent {agent!r}", f"create it first: PUT /v1/agents/{agent}", code="unknown_agent"
-            )
+    # --- agents (their sessions) ------------------------------------------------
 
     def agent_json(self, agent: str) -> dict:
         return {
             "agent": agent,
-            "root": self.agent_root(agent),
-            "socket": self.agent_socket(agent),
-            "spare_kernel_ready": agent in self.spares,
-            "sessions": [s.to_json() for (a, _), s in self.sessions.items() if a == agent and s.state != "stopped"],
+            "root": self.agents.agent_root(agent),
+            "socket": self.agents.agent_socket(agent),
+            "spare_kernel_ready": agent in self.pool.spares,
+            "sessions": self.list(agent),
         }
 
     async def stop_agent(self, agent: str) -> None:
-        self.require_agent(agent)
+        self.agents.require_agent(agent)
         for (a, sid) in list(self.sessions):
             if a == agent:
                 await self.stop(agent, sid)
-        spare = self.spares.pop(agent, None)
-        if spare:
-            await spare.shutdown(now=True)
+        await self.pool.drop_spare(agent)
 
     # --- sessions ---------------------------------------------------------------
 
     def get(self, agent: str, session_id: str) -> Session:
-        self.require_agent(agent)
+        self.agents.require_agent(agent)
         workspace.check_session_id(session_id)
         session = self.sessions.get((agent, session_id))
-        if session is None or session.state == "stopped":
+        if session is None or session.status == "stopped":
             raise not_found(
                 f"no session {session_id!r} for agent {agent!r}",
                 f"create it: POST /v1/agents/{agent}/sessions",
@@ -250,9 +177,15 @@ class SessionManager:
             )
         return session
 
+    def by_kernel(self, kernel_id: str) -> Session | None:
+        for session in self.sessions.values():
+            if session.kernel is not None and session.kernel.id == kernel_id:
+                return session
+        return None
+
     def list(self, agent: str) -> list[dict]:
-        self.require_agent(agent)
-        return [s.to_json() for (a, _), s in self.sessions.items() if a == agent and s.state != "stopped"]
+        self.agents.require_agent(agent)
+        return [s.to_json() for (a, _), s in self.sessions.items() if a == agent and s.status != "stopped"]
 
     def _check_caps(self, agent: str) -> None:
         live = [s for s in self.sessions.values() if s.state in LIVE_STATES]
@@ -275,7 +208,7 @@ class SessionManager:
         self, agent: str, session_id: str, kernel: str | None = None, cwd: str | None = None
     ) -> tuple[Session, bool]:
         """The session, started if needed.  ``cwd`` (inside the agent's tree) applies to a new one."""
-        self.require_agent(agent)
+        self.agents.require_agent(agent)
         self.library.require_kernel(agent)
         workspace.check_session_id(session_id)
         if kernel is not None and kernel != KERNEL_NAME:
@@ -304,95 +237,52 @@ class SessionManager:
                         raise
             return session, created
 
-    async def _start_kernel(self, session: Session, check_caps: bool = True) -> None:
-        """Give a session without a kernel a fresh one.  The caller holds its lock."""
+    async def _start_kernel(self, session: Session, check_caps: bool = True, kernel_id: str = "") -> None:
+        """Give a session without a kernel a kernel.  The caller holds its lock.
+
+        On failure the session keeps no kernel and says why (``dead``, ``lost``),
+        never ``idle``.
+        """
         if check_caps:
             self._check_caps(session.agent)
-        previous, session.state = session.state, "starting"
+        previous, session.status = session.status, "starting"
         try:
             os.makedirs(session.directory, exist_ok=True)
-            kernel = await self._kernel_for(session)
+            kernel = await self.pool.start(
+                session.agent, cwd=session.cwd, session_dir=session.directory, session=session.id,
+                kernel_id=kernel_id,
+            )
         except BaseException as e:
-            if session.state == "starting":
-                session.state = previous
+            if session.status == "starting":
+                session.status = previous if previous in ("lost", "dead") else "dead"
             if isinstance(e, (GatewayError, asyncio.CancelledError)):
                 raise
-            raise disk_full(e) or GatewayError(
+            full = disk_full(e)
+            if full is not None:  # a full quota is the agent's, not a bug: no traceback
+                log.warning("agent %s session %s: the kernel could not start: %s", session.agent, session.id, e)
+                raise full from e
+            log.exception("agent %s session %s: the kernel could not start", session.agent, session.id)
+            raise GatewayError(
                 500, "kernel_start_failed", f"the kernel could not start: {e}", "run `kernel-gateway doctor`"
             ) from e
         if not self.library.kernel_enabled(session.agent):
             # Narrowed while this kernel started: it does not outlive the switch.
-            if session.state != "stopped":
-                session.state = previous
-            await kernel.shutdown(now=True)
+            if session.status != "stopped":
+                session.status = previous if previous in ("lost", "dead") else "dead"
+            await self.pool.stop(kernel, now=True, why="abandoned")
             self.library.require_kernel(session.agent)
-        if session.state == "stopped":
+        if session.status == "stopped":
             # Deleted while it started: the kernel belongs to no one, so it goes now.
-            await kernel.shutdown(now=True)
+            await self.pool.stop(kernel, now=True, why="stopped (its session was deleted during the start)")
             raise GatewayError(
                 409, "session_stopped", f"session {session.id!r} was stopped while its kernel started",
                 "create it again if you still need it",
             )
         session.kernel = kernel
-        session.state = "idle"
+        session.status = "running"
         session.last_activity = time.time()
         self.save_registry()
-        self._replenish_spare(session.agent)
-
-    async def _kernel_for(self, session: Session) -> Kernel:
-        """A spare kernel when one is ready (fast), else a fresh one."""
-        agent = session.agent
-        spare = self.spares.pop(agent, None)
-        if spare is not None:
-            try:
-                if await spare.is_alive():
-                    await spare.adopt(session.cwd, session.directory, session.id)
-                    return spare
-            except BaseException as e:
-                await spare.shutdown(now=True)
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-            else:
-                await spare.shutdown(now=True)
-        return await Kernel.start(
-            self._options(agent),
-            agent=agent,
-            agent_root=self.agent_root(agent),
-            cwd=session.cwd,
-            session_dir=session.directory,
-            agent_socket=self.agent_socket(agent),
-            session=session.id,
-        )
-
-    def _replenish_spare(self, agent: str) -> None:
-        if not self.settings.spare_kernels or agent in self.spares or agent in self._spare_tasks:
-            return
-        if not self.library.kernel_enabled(agent):
-            return
-        if len(self.spares) + len(self._spare_tasks) >= self.settings.max_spare_kernels:
-            return
-
-        async def start_spare() -> None:
-            try:
-                kernel = await Kernel.start(
-                    self._options(agent),
-                    agent=agent,
-                    agent_root=self.agent_root(agent),
-                    cwd=self.agent_root(agent),
-                    session_dir=self.agent_root(agent),
-                    agent_socket=self.agent_socket(agent),
-                )
-                if agent in self.agents and agent not in self.spares and self.library.kernel_enabled(agent):
-                    self.spares[agent] = kernel
-                else:
-                    await kernel.shutdown(now=True)
-            except Exception:
-                pass  # a spare is an optimisation; the next session starts cold
-            finally:
-                self._spare_tasks.pop(agent, None)
-
-        # Spawned on the event loop thread: --die-with-parent is per thread.
-        self._spare_tasks[agent] = asyncio.ensure_future(start_spare())
+        self.pool.replenish_spare(session.agent)
 
     async def execute(
         self,
@@ -420,14 +310,18 @@ class SessionManager:
                 f"({timeout:g} s); this code did not run.\n",
             )
         try:
+            if session.kernel is not None and session.kernel.execution_state == "dead":
+                # Died between executions (the watcher saw it): buried now, restarted below.
+                await self._bury(session, KernelDied(*session.kernel.exit_status()))
             if session.kernel is None:
                 # Died or lost since: a fresh kernel, and the result says so.
                 notice = session.notice
                 await self._start_kernel(session)
-            session.state = "busy"
             session.last_activity = time.time()
             kernel = session.kernel
             assert kernel is not None
+            kernel.touch()
+            sent: list[str] = []
             try:
                 result = await run_cell(
                     kernel.kc,
@@ -439,6 +333,7 @@ class SessionManager:
                     limit=self.settings.output_limit,
                     inline_images=inline_images,
                     on_output=on_output,
+                    on_request=sent.append,
                 )
             except KernelDied as died:
                 await self._bury(session, died)
@@ -446,9 +341,8 @@ class SessionManager:
                     "died", died.sentence() + "\n", exit_code=died.exit_code, signal=died.signal, notice=died.sentence()
                 )
             finally:
-                if session.state == "busy":
-                    session.state = "idle"
                 session.last_activity = time.time()
+            await kernel.settle(sent[0] if sent else None)
             if result.get("execution_count"):
                 session.execution_count = result["execution_count"]
             if notice:
@@ -459,11 +353,13 @@ class SessionManager:
             session.lock.release()
 
     async def _bury(self, session: Session, died: KernelDied) -> None:
-        session.state = "dead"
-        session.notice = died.fresh_kernel_notice()
         kernel, session.kernel = session.kernel, None
+        session.status = "dead"
+        was = f" The kernel id was {kernel.id}; this one has a new kernel id." if kernel is not None else ""
+        session.notice = died.fresh_kernel_notice() + was
         if kernel is not None:
-            await kernel.shutdown(now=True)
+            kernel.mark_dead()
+            await self.pool.stop(kernel, now=True, why="buried after its death")
 
     async def _acquire_unless_busy(self, session: Session, doing: str) -> None:
         """Take the session's lock, or 409 once it stayed busy for ``busy_timeout`` seconds."""
@@ -477,18 +373,18 @@ class SessionManager:
             ) from None
 
     async def inspect(self, agent: str, session_id: str, probe: Callable[[Any], Any]) -> dict:
-        """Run ``probe(kernel_client)`` between executions of a live session."""
+        """Run ``probe(client)`` on the kernel's own inspector connection, between executions."""
         self.library.require_kernel(agent)
         session = self.get(agent, session_id)
         await self._acquire_unless_busy(session, "inspect its variables")
         try:
-            if session.kernel is None:
+            if session.kernel is None or session.kernel.execution_state == "dead":
                 raise GatewayError(
                     409, "no_kernel", f"session {session_id!r} has no running kernel ({session.state})",
                     "execute something in it first",
                 )
-            session.last_activity = time.time()
-            return await probe(session.kernel.kc)
+            session.kernel.touch()
+            return await probe(session.kernel.probe_client())
         finally:
             session.lock.release()
 
@@ -501,49 +397,35 @@ class SessionManager:
         return session.to_json()
 
     async def restart(self, agent: str, session_id: str) -> dict:
+        """A fresh kernel process under the same kernel id, as Jupyter Server restarts."""
         self.library.require_kernel(agent)
         session = self.get(agent, session_id)
         await self._acquire_unless_busy(session, "restart it")
         try:
             old, session.kernel = session.kernel, None
+            kernel_id = ""
             if old is not None:
-                session.state = "dead"  # until the new kernel is up: never idle without a kernel
-                await old.shutdown(now=True)
-            await self._start_kernel(session, check_caps=False)
+                kernel_id = old.id
+                session.status = "dead"  # until the new kernel is up: never idle without a kernel
+                await self.pool.stop(old, now=True, why="restarting")
+            await self._start_kernel(session, check_caps=False, kernel_id=kernel_id)
             session.execution_count = 0
             session.notice = None
         finally:
             session.lock.release()
         return session.to_json()
 
-    async def stop(self, agent: str, session_id: str) -> None:
+    async def stop(self, agent: str, session_id: str, why: str = "stopped") -> None:
         session = self.get(agent, session_id)
         kernel, session.kernel = session.kernel, None
-        session.state = "stopped"
+        session.status = "stopped"
         self.sessions.pop((agent, session_id), None)
         self.save_registry()
         if kernel is not None:
-            await kernel.shutdown()
-
-    async def cull_idle(self) -> list[str]:
-        """Stop sessions idle longer than the configured time; return their ids."""
-        limit = self.settings.cull_idle_timeout
-        if limit <= 0:
-            return []
-        now, culled = time.time(), []
-        for (agent, sid), session in list(self.sessions.items()):
-            if session.state == "idle" and not session.lock.locked() and now - session.last_activity > limit:
-                await self.stop(agent, sid)
-                culled.append(sid)
-        return culled
+            await self.pool.stop(kernel, why=why)
 
     async def shutdown_all(self) -> None:
-        for task in list(self._spare_tasks.values()):
-            task.cancel()
-        kernels = [s.kernel for s in self.sessions.values() if s.kernel] + list(self.spares.values())
         for session in self.sessions.values():
             session.kernel = None
-        self.spares.clear()
         self.save_registry()
-        await asyncio.gather(*(k.shutdown(now=True) for k in kernels), return_exceptions=True)
-        shutil.rmtree(self.runtime_root, ignore_errors=True)
+        await self.pool.shutdown_all()

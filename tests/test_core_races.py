@@ -254,3 +254,31 @@ def test_sandbox_cleanup_does_not_hold_the_loop(tmp_path):
         os.rmdir(child)
         prepared.cleanup()
     assert prepared.cgroup is None
+
+
+def test_a_client_leaving_a_run_all_cancels_it(gw):
+    path = "user-files/long.ipynb"
+    nb = {
+        "cells": [
+            {"cell_type": "code", "source": "import time\nstarted = True"},
+            {"cell_type": "code", "source": "for _ in range(600): time.sleep(0.1)\nfinished = True"},
+        ],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5,
+    }
+    assert gw.client.call("PUT", f"/v1/agents/a/notebooks/{path}", nb)[0] == 201
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(gw.socket)
+    body = json.dumps({"timeout": 600}).encode()
+    conn.sendall(
+        f"POST /v1/agents/a/notebooks/{path}/run-all HTTP/1.1\r\nHost: gw\r\n".encode()
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    sid = urllib.parse.quote(f"notebook:{path}", safe="")
+    state = lambda: gw.client.call("GET", f"/v1/agents/a/sessions/{sid}")[1].get("state")  # noqa: E731
+    assert wait_until(lambda: state() == "busy")
+    conn.close()
+    # Cancelled: the running cell is interrupted long before its 60 s, and the run goes no further.
+    assert wait_until(lambda: state() == "idle", timeout=20)
+    status, listing = gw.client.call("GET", f"/v1/agents/a/sessions/{sid}/variables")
+    names = [v["name"] for v in listing["variables"]]
+    assert status == 200 and "started" in names and "finished" not in names

@@ -16,7 +16,7 @@ import pytest
 from kernel_gateway import job_runner
 from kernel_gateway.jobs import Job
 from kernel_gateway.sandbox.profile import load_profile
-from kernel_gateway.sessions import SessionManager
+from kernel_gateway.core import Core
 from kernel_gateway.settings import Gateway
 from kernel_gateway.tools.workspace_paths import PathOutsideRoot
 
@@ -24,20 +24,20 @@ from kernel_gateway.tools.workspace_paths import PathOutsideRoot
 @pytest.fixture
 def setup(tmp_path):
     settings = Gateway(root=str(tmp_path / "agents"), state_dir=str(tmp_path / "state")).resolved()
-    sessions = SessionManager(settings)
+    core = Core(settings)
     for agent in ("alice", "bob"):
-        sessions.ensure_agent(agent)
+        core.agents.ensure_agent(agent)
     bob_files = pathlib.Path(settings.root) / "bob" / "user-files"
     (bob_files / "private.txt").write_text("bob's\n")
     job = Job(id="0123456789ab", agent="alice", kind="command", source="user-files", seq=1, created=0.0,
               command=["/bin/sh", "-c", "echo x > pwned.txt"], limits={})
     ctx = job_runner.Context(
-        agent_root=sessions.agent_root("alice"),
-        values=sessions.sandbox_values("alice"),
+        agent_root=core.agents.agent_root("alice"),
+        values=core.agents.sandbox_values("alice"),
         command_profile=load_profile("command"),
         job_profile=load_profile("job"),
         bwrap=None,
-        cgroup_name=f"{sessions.cgroup_prefix}-job-test",
+        cgroup_name=f"{core.pool.cgroup_prefix}-job-test",
     )
     return ctx, job, bob_files
 

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 from tornado import httpserver, netutil, web
@@ -25,8 +24,8 @@ from ..sandbox import cgroups, quota, seccomp
 from ..sandbox.launch import SandboxUnavailable, find_bwrap
 from ..sandbox.profile import ProfileError, load_profile
 from ..codex_runner import check_model_profile
+from ..core import Core
 from ..jobs import JobManager
-from ..sessions import SessionManager
 from ..settings import Gateway
 from . import job_routes, library_routes, notebook_routes, session_routes, tool_routes
 from .base import NotFoundHandler
@@ -34,16 +33,6 @@ from .base import NotFoundHandler
 log = logging.getLogger("kernel_gateway")
 
 ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes, job_routes]
-
-
-@dataclass
-class Core:
-    """What every handler reaches: the settings and the plain-Python core."""
-
-    settings: Gateway
-    sessions: SessionManager
-    jobs: Any = None  # the JobManager, once started
-    info: dict = field(default_factory=dict)
 
 
 def make_app(core: Core, scope: str | None = None) -> web.Application:
@@ -75,6 +64,7 @@ class GatewayServer:
         self._lock_file: Any = None
         self._stopping = False
         self._cull_task: asyncio.Task | None = None
+        self.core: Core | None = None
 
     def _prepare_dirs(self) -> None:
         s = self.settings
@@ -103,7 +93,7 @@ class GatewayServer:
 
     def _agent_created(self, agent: str) -> None:
         if agent not in self.servers:
-            self._listen(self.core.sessions.agent_socket(agent), agent)
+            self._listen(self.core.agents.agent_socket(agent), agent)
 
     def _check_profiles(self) -> None:
         """Every profile the settings name loads, or the gateway does not start."""
@@ -137,9 +127,8 @@ class GatewayServer:
         bwrap = find_bwrap(s.bwrap or None)
         self._check_profiles()
         self._prepare_dirs()
-        sessions = SessionManager(s)
-        self.core = Core(settings=s, sessions=sessions)
-        self.core.info = {
+        core = self.core = Core(s)
+        core.info = {
             "version": __version__,
             "bwrap": {"path": bwrap, "version": bwrap_version(bwrap)},
             "sandbox": {
@@ -148,7 +137,7 @@ class GatewayServer:
                 "disk_quota": quota.describe(s),
                 "seccomp_filter": _seccomp_filter(),
                 "profiles": {kind: seccomp.walls(load_profile(getattr(s, f"{kind}_profile"))) for kind in ("kernel", "command")},
-                "cgroup_prefix": sessions.cgroup_prefix,
+                "cgroup_prefix": core.pool.cgroup_prefix,
             },
             "limits": {
                 "output_limit": s.output_limit,
@@ -159,11 +148,10 @@ class GatewayServer:
                 "cull_idle_timeout": s.cull_idle_timeout,
                 "spare_kernels": s.spare_kernels,
             },
-            "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket, "runtime": sessions.runtime_root},
+            "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket, "runtime": core.pool.runtime_root},
         }
-        sessions.sweep_leftovers()
-        sessions.load_registry()
-        for agent in sorted(sessions.agents):
+        core.load()
+        for agent in sorted(core.agents.agents):
             # After a reboot, disk images are no longer mounted: mount first, the library writes into the tree.
             try:
                 quota.mount_agent_disk(s, agent)
@@ -171,31 +159,22 @@ class GatewayServer:
                 raise SystemExit(f"kernel-gateway: disk quota of agent {agent!r}: {e.message} ({e.hint})") from None
             # Builtin skills up to date, documents and installed-skills fit for their read-only binds.
             try:
-                sessions.library.ensure_agent(agent)
+                core.library.ensure_agent(agent)
             except (OSError, ValueError) as e:
                 raise SystemExit(f"kernel-gateway: cannot prepare the Agent Library of {agent!r}: {e}") from None
         self._listen(s.socket, None)
-        for agent in sorted(sessions.agents):
+        for agent in sorted(core.agents.agents):
             try:
                 self._agent_created(agent)
             except OSError:
                 log.exception("agent %s: its socket could not be bound; it stays unregistered", agent)
-                sessions.agents.discard(agent)
-        sessions.on_agent = self._agent_created
-        self.core.jobs = JobManager(s, sessions)
-        await self.core.jobs.start()  # after the sweep: lost jobs' cgroups are gone
+                core.agents.agents.discard(agent)
+        core.agents.on_agent = self._agent_created
+        core.jobs = JobManager(s, core)
+        await core.jobs.start()  # after the sweep: lost jobs' cgroups are gone
         if s.demo_agent:
-            sessions.ensure_agent(s.demo_agent)
-        self._cull_task = asyncio.ensure_future(self._cull_loop())
-
-    async def _cull_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.cull_interval)
-            try:
-                await self.core.sessions.cull_idle()
-                self.core.sessions.save_registry()
-            except Exception:  # a failed cull must not stop the next one
-                pass
+            core.agents.ensure_agent(s.demo_agent)
+        self._cull_task = asyncio.ensure_future(core.culler.run())
 
     async def stop(self) -> None:
         if self._stopping:
@@ -207,14 +186,13 @@ class GatewayServer:
             server.stop()
         if self.core.jobs:
             await self.core.jobs.stop()
-        await self.core.sessions.shutdown_all()
+        await self.core.close()
         for _server, path in self.servers.values():
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
         self.servers.clear()
-        self.core.sessions.audit.close()
         if self._lock_file:
             self._lock_file.close()
 

@@ -8,16 +8,20 @@ scoped to that one agent (``me`` is its alias); anything else is 403.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from typing import Any
 
-from tornado import web
+from tornado import iostream, web
 
 from ..errors import GatewayError, bad_request, disk_full
 
 log = logging.getLogger("kernel_gateway")
+
+KEEPALIVE_SECONDS = 10.0
+NDJSON = "application/x-ndjson"
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -155,7 +159,7 @@ class BaseHandler(web.RequestHandler):
     def on_finish(self) -> None:
         if self.tool == "api" and self.get_status() < 400 and self.request.method == "GET":
             return  # reads of the API itself are not tool calls
-        self.core.sessions.audit.record(
+        self.core.audit.record(
             agent=self._agent,
             session=self._session,
             tool=self.tool,
@@ -189,6 +193,85 @@ def check_fields(body: dict, fields: dict[str, Any], required: tuple[str, ...] =
                 f"field {name!r} must be {names}, got {type(value).__name__}", code="wrong_type"
             )
     return body
+
+
+class StreamingHandler(BaseHandler):
+    """NDJSON responses with keep-alives; a client that leaves cancels the work."""
+
+    _task: asyncio.Task | None = None
+    _client_left = False
+
+    def wants_stream(self, body: dict) -> bool:
+        return body.get("stream") is True or NDJSON in self.request.headers.get("Accept", "")
+
+    def check_timeout(self, body: dict) -> float:
+        settings = self.core.settings
+        timeout = body.get("timeout", settings.default_timeout)
+        if timeout is None:
+            return settings.default_timeout
+        if not 0 < timeout <= settings.max_timeout:
+            raise bad_request(
+                f"timeout must be more than 0 and at most {settings.max_timeout} seconds, got {timeout}",
+                code="invalid_timeout",
+            )
+        return float(timeout)
+
+    async def write_line(self, obj: dict) -> None:
+        line = json.dumps(obj) + "\n"
+        self._bytes_out += len(line)
+        self.write(line)
+        try:
+            await self.flush()
+        except iostream.StreamClosedError:
+            pass
+
+    async def run(self, work: Any, stream: bool) -> None:
+        """Run ``work(on_output)``; stream events when asked; render the result."""
+        on_output = None
+        if stream:
+            self.set_header("Content-Type", NDJSON)
+
+            async def on_output(event: dict) -> None:
+                await self.write_line({"event": "output", "output": event})
+
+        if not stream:
+            result = await self.cancellable(work(on_output))
+            if result is not None:
+                self.send_json(result, self.status_for(result))
+            return
+        self._task = asyncio.ensure_future(work(on_output))
+        while True:
+            done, _ = await asyncio.wait({self._task}, timeout=KEEPALIVE_SECONDS)
+            if done:
+                break
+            await self.write_line({"event": "keepalive"})
+        try:
+            result = self._task.result()
+        except GatewayError as e:
+            result = e.to_json()
+        except asyncio.CancelledError:
+            return  # the client left
+        await self.write_line({"event": "result", **result})
+        self.finish()
+
+    async def cancellable(self, work: Any) -> Any:
+        """Await ``work``, cancelled if the client leaves; None then (no one to answer)."""
+        self._task = asyncio.ensure_future(work)
+        try:
+            return await self._task
+        except asyncio.CancelledError:
+            if self._client_left:
+                return None
+            raise
+
+    def status_for(self, result: dict) -> int:
+        return 200
+
+    def on_connection_close(self) -> None:
+        # The client left: cancelling interrupts a running cell (see run_cell).
+        self._client_left = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
 
 
 class NotFoundHandler(BaseHandler):

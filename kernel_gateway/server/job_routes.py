@@ -14,7 +14,7 @@ class JobsHandler(BaseHandler):
 
     def post(self, agent: str) -> None:
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         raw = self.request.body or b""
         try:
             body = json.loads(raw or b"{}")
@@ -24,7 +24,7 @@ class JobsHandler(BaseHandler):
 
     def get(self, agent: str) -> None:
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         self.send_json({"jobs": self.core.jobs.list(agent)})
 
 
@@ -33,7 +33,7 @@ class _OneJob(BaseHandler):
 
     def _job_args(self, agent: str, job_id: str) -> tuple[str, str]:
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         return agent, check_job_id(job_id)
 
 

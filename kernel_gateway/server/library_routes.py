@@ -11,17 +11,9 @@ from typing import Any
 
 from .. import library
 from ..errors import GatewayError, bad_request
-from ..tools import apply_patch, workspace_paths
 from .base import BaseHandler, check_fields
 
 GZIP_TYPES = ("application/gzip", "application/x-gzip", "application/x-tar+gzip", "application/tar+gzip")
-
-
-def with_library_binds(sessions: Any, agent: str, profile: dict) -> dict:
-    """A copy of a command profile with the library's read-only binds added."""
-    sandbox = dict(profile["sandbox"])
-    sandbox["read_only"] = list(sandbox.get("read_only", [])) + sessions.library.read_only_binds(agent)
-    return {**profile, "sandbox": sandbox}
 
 
 def checked_documents(documents: Any) -> dict[str, bytes]:
@@ -34,37 +26,12 @@ def checked_documents(documents: Any) -> dict[str, bytes]:
     return documents
 
 
-def refuse_protected(core: Any, agent: str, paths: list[str]) -> None:
-    """403 when a host-side write for the agent would touch its library (documents, skills)."""
-    for path in paths:
-        reason = core.sessions.library.protected(agent, path)
-        if reason:
-            raise GatewayError(403, "read_only_path", f"{reason}: the agent cannot change it",
-                               "the operator sets it through the Agent Library on the control socket")
-
-
-def patch_targets(root: str, patch: str, cwd: str) -> list[str]:
-    """The resolved paths a patch would write, for :func:`refuse_protected`; [] if it does not parse."""
-    try:
-        hunks = apply_patch.parse_patch(patch)
-    except Exception:
-        return []  # apply_patch reports the parse error itself
-    targets = []
-    for hunk in hunks:
-        for raw in filter(None, (hunk.path, hunk.move_to)):
-            try:
-                targets.append(str(workspace_paths.resolve_in_root(root, raw, cwd)))
-            except workspace_paths.PathOutsideRoot:
-                pass  # apply_patch refuses it, with its own message
-    return targets
-
-
 class LibraryBase(BaseHandler):
     tool = "library"
 
     def agent_checked(self, agent: str) -> str:
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         return agent
 
     def change(self, agent: str) -> str:
@@ -79,13 +46,13 @@ class LibraryBase(BaseHandler):
 class SkillsHandler(LibraryBase):
     def get(self, agent: str) -> None:
         agent = self.agent_checked(agent)
-        self.send_json({"skills": self.core.sessions.library.list_skills(agent)})
+        self.send_json({"skills": self.core.library.list_skills(agent)})
 
 
 class SkillHandler(LibraryBase):
     def get(self, agent: str, name: str) -> None:
         agent = self.agent_checked(agent)
-        self.send_json(self.core.sessions.library.skill(agent, name))
+        self.send_json(self.core.library.skill(agent, name))
 
     def put(self, agent: str, name: str) -> None:
         agent = self.change(agent)
@@ -101,13 +68,13 @@ class SkillHandler(LibraryBase):
                 raise bad_request(f"the body is not valid JSON: {e}",
                                   'send {"files": {...}} or a tar.gz', code="malformed_json") from None
             files = library.files_from_json(parsed)
-        item, created = self.core.sessions.library.install_skill(agent, name, files)
+        item, created = self.core.library.install_skill(agent, name, files)
         self.send_json(item, 201 if created else 200)
 
     async def patch(self, agent: str, name: str) -> None:
         agent = self.change(agent)
         body = self.json_body({"enabled": bool}, required=("enabled",))
-        item = self.core.sessions.library.set_enabled(agent, name, body["enabled"])
+        item = self.core.library.set_enabled(agent, name, body["enabled"])
         if name == library.KERNEL_SKILL and not body["enabled"]:
             # Narrowed: its kernels and its spare stop now.
             await self.core.sessions.stop_agent(agent)
@@ -115,7 +82,7 @@ class SkillHandler(LibraryBase):
 
     def delete(self, agent: str, name: str) -> None:
         agent = self.change(agent)
-        self.core.sessions.library.remove_skill(agent, name)
+        self.core.library.remove_skill(agent, name)
         self.send_json({"name": name, "removed": True})
 
 
@@ -126,7 +93,7 @@ class DocumentHandler(LibraryBase):
 
     def get(self, agent: str, name: str) -> None:
         agent = self.agent_checked(agent)
-        self.reply(self.core.sessions.library.get_document(agent, name))
+        self.reply(self.core.library.get_document(agent, name))
 
     def put(self, agent: str, name: str) -> None:
         agent = self.change(agent)
@@ -145,7 +112,7 @@ class DocumentHandler(LibraryBase):
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise bad_request(f"{name} must be UTF-8 text: {e}", code="not_utf8") from None
-        result = self.core.sessions.library.put_document(
+        result = self.core.library.put_document(
             agent, name, text, if_match=self.request.headers.get("If-Match")
         )
         self.reply(result)

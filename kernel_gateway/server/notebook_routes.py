@@ -10,9 +10,7 @@ from .. import notebook_runs, variables
 from ..errors import bad_request
 from ..notebooks import NotebookStore
 from ..tools import workspace_paths
-from . import library_routes
-from .base import BaseHandler
-from .session_routes import StreamingHandler
+from .base import BaseHandler, StreamingHandler
 
 
 class NotebookBase(BaseHandler):
@@ -24,15 +22,13 @@ class NotebookBase(BaseHandler):
             # Notebook writes never land in the agent's library (installed-skills/).
             agent = self.agent_arg(self.path_args[0])
             try:
-                target = workspace_paths.resolve_in_root(self.core.sessions.agent_root(agent), self.path_args[1])
+                target = workspace_paths.resolve_in_root(self.core.agents.agent_root(agent), self.path_args[1])
             except (workspace_paths.PathOutsideRoot, OSError):
                 return  # the store refuses it with its own message
-            library_routes.refuse_protected(self.core, agent, [str(target)])
+            self.core.refuse_protected(agent, [str(target)])
 
     def store(self, agent: str) -> NotebookStore:
-        agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
-        return NotebookStore(self.core.sessions.agent_root(agent))
+        return self.core.notebooks(self.agent_arg(agent))
 
     def if_match(self) -> str | None:
         return self.request.headers.get("If-Match")
@@ -100,20 +96,11 @@ class ClearOutputsHandler(NotebookBase):
         self.reply(await self.off_loop(store.clear_outputs, path, body.get("cell_ids"), if_match=self.if_match()))
 
 
-NOTEBOOK_SESSION = "notebook:"  # the prefix of a notebook's own session id
-
-
 class RunBase(StreamingHandler, NotebookBase):
     tool = "notebook_run"
 
     async def notebook_session(self, agent: str, path: str, session: str | None) -> str:
-        """The session to run in; the notebook's own one starts in the notebook's folder, as in Jupyter."""
-        if session:
-            return self.session_arg(session)
-        session = self.session_arg(notebook_runs.notebook_session_id(path))
-        folder = workspace_paths.resolve_in_root(self.core.sessions.agent_root(agent), path).parent
-        await self.core.sessions.get_or_create(agent, session, cwd=str(folder))
-        return session
+        return self.session_arg(await self.core.notebook_session(agent, path, session))
 
     def executor(self, agent: str, session: str) -> Any:
         async def execute(code: str, timeout: float | None) -> dict:
@@ -131,16 +118,19 @@ class ExecuteCellHandler(RunBase):
         self._code = body.get("code")
         await self.off_loop(store.contents, path)  # a missing or broken notebook fails before any kernel starts
         session = await self.notebook_session(self._agent, path, body.get("session"))
-        result = await notebook_runs.run_cell(
-            store,
-            path,
-            cell_id,
-            self.executor(self._agent, session),
-            code=body.get("code"),
-            save_outputs=body.get("save_outputs", True),
-            timeout=timeout,
+        result = await self.cancellable(
+            notebook_runs.run_cell(
+                store,
+                path,
+                cell_id,
+                self.executor(self._agent, session),
+                code=body.get("code"),
+                save_outputs=body.get("save_outputs", True),
+                timeout=timeout,
+            )
         )
-        self.reply(result)
+        if result is not None:
+            self.reply(result)
 
 
 class RunAllHandler(RunBase):
@@ -158,15 +148,19 @@ class RunAllHandler(RunBase):
             await self.core.sessions.get_or_create(agent, session)
             await self.core.sessions.restart(agent, session)
 
-        result = await notebook_runs.run_all(
-            store,
-            path,
-            self.executor(agent, session),
-            restart if body.get("restart") else None,
-            save_outputs=body.get("save_outputs", False),
-            timeout=timeout,
+        # A client that leaves cancels the run (and so interrupts the running cell), as for execute.
+        result = await self.cancellable(
+            notebook_runs.run_all(
+                store,
+                path,
+                self.executor(agent, session),
+                restart if body.get("restart") else None,
+                save_outputs=body.get("save_outputs", False),
+                timeout=timeout,
+            )
         )
-        self.reply(result)
+        if result is not None:
+            self.reply(result)
 
 
 class NotANotebookHandler(BaseHandler):

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 from typing import Any
 
-from tornado import iostream
-
-from ..errors import GatewayError, bad_request
 from . import library_routes
-from .base import BaseHandler
-
-KEEPALIVE_SECONDS = 10.0
-NDJSON = "application/x-ndjson"
+from .base import BaseHandler, StreamingHandler
 
 
 class InfoHandler(BaseHandler):
@@ -23,14 +15,14 @@ class InfoHandler(BaseHandler):
             # An agent sees its own paths, not the gateway's state directory.
             info = {k: info[k] for k in ("version", "bwrap", "sandbox", "limits")}
             info["agent"] = self.scope
-            info["root"] = self.core.sessions.agent_root(self.scope)
+            info["root"] = self.core.agents.agent_root(self.scope)
         self.send_json(info)
 
 
 class AgentsHandler(BaseHandler):
     def get(self) -> None:
         self.require_control_socket()
-        self.send_json({"agents": [self.core.sessions.agent_json(a) for a in sorted(self.core.sessions.agents)]})
+        self.send_json({"agents": [self.core.sessions.agent_json(a) for a in sorted(self.core.agents.agents)]})
 
 
 class AgentHandler(BaseHandler):
@@ -43,14 +35,14 @@ class AgentHandler(BaseHandler):
             self.require_control_socket()  # the Agent Library is read-only to the agent
         # Checked before anything is created, so a refused request leaves no agent behind.
         documents = library_routes.checked_documents(body.get("documents"))
-        created = self.core.sessions.ensure_agent(agent)
+        created = self.core.agents.ensure_agent(agent)
         for name, text in documents.items():
-            self.core.sessions.library.put_document(agent, name, text)
+            self.core.library.put_document(agent, name, text)
         self.send_json(self.core.sessions.agent_json(agent), 201 if created else 200)
 
     def get(self, agent: str) -> None:
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         self.send_json(self.core.sessions.agent_json(agent))
 
     async def delete(self, agent: str) -> None:
@@ -106,79 +98,6 @@ class RestartHandler(BaseHandler):
         self.send_json(await self.core.sessions.restart(agent, session))
 
 
-class StreamingHandler(BaseHandler):
-    """NDJSON responses with keep-alives; a client that leaves cancels the work."""
-
-    _task: asyncio.Task | None = None
-    _client_left = False
-
-    def wants_stream(self, body: dict) -> bool:
-        return body.get("stream") is True or NDJSON in self.request.headers.get("Accept", "")
-
-    def check_timeout(self, body: dict) -> float:
-        settings = self.core.settings
-        timeout = body.get("timeout", settings.default_timeout)
-        if timeout is None:
-            return settings.default_timeout
-        if not 0 < timeout <= settings.max_timeout:
-            raise bad_request(
-                f"timeout must be more than 0 and at most {settings.max_timeout} seconds, got {timeout}",
-                code="invalid_timeout",
-            )
-        return float(timeout)
-
-    async def write_line(self, obj: dict) -> None:
-        line = json.dumps(obj) + "\n"
-        self._bytes_out += len(line)
-        self.write(line)
-        try:
-            await self.flush()
-        except iostream.StreamClosedError:
-            pass
-
-    async def run(self, work: Any, stream: bool) -> None:
-        """Run ``work(on_output)``; stream events when asked; render the result."""
-        on_output = None
-        if stream:
-            self.set_header("Content-Type", NDJSON)
-
-            async def on_output(event: dict) -> None:
-                await self.write_line({"event": "output", "output": event})
-
-        self._task = asyncio.ensure_future(work(on_output))
-        if not stream:
-            try:
-                result = await self._task
-            except asyncio.CancelledError:
-                if self._client_left:
-                    return  # the client left and its work was cancelled: no one to answer
-                raise
-            self.send_json(result, self.status_for(result))
-            return
-        while True:
-            done, _ = await asyncio.wait({self._task}, timeout=KEEPALIVE_SECONDS)
-            if done:
-                break
-            await self.write_line({"event": "keepalive"})
-        try:
-            result = self._task.result()
-        except GatewayError as e:
-            result = e.to_json()
-        except asyncio.CancelledError:
-            return  # the client left
-        await self.write_line({"event": "result", **result})
-        self.finish()
-
-    def status_for(self, result: dict) -> int:
-        return 200
-
-    def on_connection_close(self) -> None:
-        # The client left: cancelling interrupts a running cell (see run_cell).
-        self._client_left = True
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-
-
 class ExecuteHandler(StreamingHandler):
     tool = "execute"
 
@@ -189,7 +108,7 @@ class ExecuteHandler(StreamingHandler):
             required=("code",),
         )
         timeout = self.check_timeout(body)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         self._code = body["code"]
 
         async def work(on_output: Any) -> dict:

@@ -3,62 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
-from .. import workspace
 from ..errors import GatewayError, bad_request
-from ..tools import apply_patch, read_file, workspace_paths
-from ..tools.command import REQUEST_KEYS, run_command
-from . import library_routes
-from .notebook_routes import NOTEBOOK_SESSION
-from .session_routes import StreamingHandler
-from .base import BaseHandler, check_fields
-
-
-def session_cwd(core: Any, agent: str, session: str) -> str:
-    """Where a command for ``session`` starts: its kernel's working directory.
-
-    That is the session directory, or for a notebook's own session the
-    notebook's folder; a session with no kernel yet gets the directory its
-    kernel will start in.
-    """
-    for listed in core.sessions.list(agent):
-        if listed["id"] == session:
-            return listed["cwd"]
-    root = core.sessions.agent_root(agent)
-    if session.startswith(NOTEBOOK_SESSION) and session.endswith(".ipynb"):
-        try:
-            folder = workspace_paths.resolve_in_root(root, session[len(NOTEBOOK_SESSION) :]).parent
-        except workspace_paths.PathOutsideRoot:
-            folder = None  # not a notebook of this agent: the session's own directory, below
-        if folder is not None and folder.is_dir():
-            return str(folder)
-    directory = os.path.join(root, "sessions", workspace.session_dirname(session))
-    try:
-        workspace_paths.mkdirs_in_root(root, directory)
-    except workspace_paths.PathOutsideRoot as e:
-        raise GatewayError(403, "outside_workspace", str(e)) from None
-    return directory
-
-
-async def run_in_command_sandbox(
-    core: Any, agent: str, request: dict, on_event: Any = None, max_stdin: int = 1 << 20
-) -> dict:
-    """One command in a fresh sandbox from the agent's ``command`` profile."""
-    sessions = core.sessions
-    return await run_command(
-        request,
-        agent_root=sessions.agent_root(agent),
-        profile=library_routes.with_library_binds(sessions, agent, sessions.profile(agent, "command")),
-        values=sessions.sandbox_values(agent),
-        spill_dir=os.path.join(sessions.agent_root(agent), ".kernel-gateway", "commands"),
-        on_event=on_event,
-        session_cwd=lambda session: session_cwd(core, agent, session),
-        output_limit=core.settings.output_limit,
-        bwrap=core.settings.bwrap or None,
-        max_stdin=max_stdin,
-    )
+from ..tools import read_file
+from ..tools.command import REQUEST_KEYS
+from .base import BaseHandler, StreamingHandler, check_fields
 
 
 class CommandHandler(StreamingHandler):
@@ -66,13 +16,13 @@ class CommandHandler(StreamingHandler):
 
     async def post(self, agent: str) -> None:
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         # run_command checks each field's type and value; here only the JSON and the field names.
         body = self.json_body(dict.fromkeys(REQUEST_KEYS, object))
         self._code = body.get("command") if isinstance(body.get("command"), str) else json.dumps(body.get("argv"))
 
         async def work(on_output: Any) -> dict:
-            return await run_in_command_sandbox(self.core, agent, body, on_output)
+            return await self.core.run_command(agent, body, on_output)
 
         await self.run(work, self.wants_stream(body))
 
@@ -82,12 +32,12 @@ class FileHandler(BaseHandler):
 
     def get(self, agent: str) -> None:
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.agents.require_agent(agent)
         path = self.get_query_argument("path", None)
         if path is None:
             raise bad_request("missing query parameter path", "GET .../files?path=user-files/data.csv")
         result = read_file.read_file(
-            self.core.sessions.agent_root(agent),
+            self.core.agents.agent_root(agent),
             path,
             offset=self.query_int("offset", 1, minimum=1),
             limit=self.query_int("limit", 2000, minimum=1),
@@ -114,7 +64,7 @@ def patch_failure(result: dict) -> dict:
 class PatchHandler(BaseHandler):
     tool = "apply_patch"
 
-    def _patch_and_cwd(self, root: str) -> tuple[str, str]:
+    def _patch_and_cwd(self) -> tuple[str, str]:
         raw = self.request.body or b""
         limit = self.core.settings.max_patch_size
         if len(raw) > limit:
@@ -139,49 +89,18 @@ class PatchHandler(BaseHandler):
             text, cwd = body["patch"], body.get("cwd", ".")
         if not text.strip():
             raise bad_request("the patch is empty", "send *** Begin Patch ... *** End Patch", code="empty_patch")
-        try:
-            resolved = workspace_paths.resolve_in_root(root, cwd)
-        except workspace_paths.PathOutsideRoot as e:
-            raise GatewayError(403, "outside_workspace", str(e)) from None
-        if not resolved.is_dir():
-            raise bad_request(f"cwd {cwd!r} is not a directory in the agent's tree", code="invalid_cwd")
-        return text, str(resolved)
+        return text, cwd
 
     async def post(self, agent: str) -> None:
         agent = self.agent_arg(agent)
-        sessions = self.core.sessions
-        sessions.require_agent(agent)
-        root = sessions.agent_root(agent)
-        patch, cwd = self._patch_and_cwd(root)
-        library_routes.refuse_protected(self.core, agent, library_routes.patch_targets(root, patch, cwd))
+        self.core.agents.require_agent(agent)
+        patch, cwd = self._patch_and_cwd()
         self._code = patch
-        external = self.core.settings.apply_patch_command
-        if external:
-            result = await self._external(agent, external, patch, cwd)
-        else:
-            library = sessions.library
-            result = apply_patch.apply_patch(
-                patch, cwd, root=root, refuse=lambda path: library.protected(agent, path) is not None
-            ).__dict__
+        result = await self.core.apply_patch(agent, patch, cwd)
         if result["ok"]:
             self.send_json(result)
         else:
             self.send_json({"error": patch_failure(result), **result}, 422)
-
-    async def _external(self, agent: str, command: str, patch: str, cwd: str) -> dict:
-        """The operator's own apply_patch binary, in the command sandbox over the workspace."""
-        # On stdin: one argv element holds at most 128 KiB (E2BIG past it), a patch up to max_patch_size.
-        ran = await run_in_command_sandbox(
-            self.core, agent, {"argv": [command], "cwd": cwd, "stdin": patch},
-            max_stdin=self.core.settings.max_patch_size,
-        )
-        return {
-            "ok": ran["exit_code"] == 0,
-            "output": ran["stdout"] + ran["stderr"],
-            "added": [],
-            "modified": [],
-            "deleted": [],
-        }
 
 
 def routes() -> list[tuple[str, type]]:
