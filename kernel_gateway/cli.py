@@ -6,7 +6,9 @@ import json
 import os
 import sys
 
-from traitlets import TraitError, Unicode
+import logging
+
+from traitlets import Enum, TraitError, Unicode, default
 from traitlets.config import Application
 
 from . import __version__
@@ -17,6 +19,7 @@ USAGE = """usage: kernel-gateway COMMAND [options]
 commands:
   serve                 run the gateway in the foreground
                         (--root DIR --state-dir DIR --socket PATH --config FILE,
+                        --log-level LEVEL, --log-format text|json,
                         any --Gateway.<option>=VALUE; `serve --help-all` lists them)
   doctor                check that sandboxed kernels can run on this machine
   install-kernelspec    install the sandboxed Python kernel for JupyterLab / jupyter_client
@@ -33,6 +36,13 @@ class ServeApp(Application):
     version = __version__
     classes = [Gateway]
     config_file = Unicode("", config=True, help="A config file (.py or .json) to load.")
+    log_style = Enum(  # (log_format is taken: the Application's own format string)
+        ["text", "json"], "text", config=True, help="The operator's log on stderr: plain text, or JSON lines."
+    )
+
+    @default("log_level")
+    def _default_log_level(self) -> int:
+        return logging.INFO  # one line per request and per kernel event
     aliases = {
         "root": "Gateway.root",
         "state-dir": "Gateway.state_dir",
@@ -40,12 +50,14 @@ class ServeApp(Application):
         "bwrap": "Gateway.bwrap",
         "config": "ServeApp.config_file",
         "log-level": "Application.log_level",
+        "log-format": "ServeApp.log_style",
     }
     flags = {
         "demo": ({"Gateway": {"demo_agent": "demo"}}, "Create the agent 'demo' at start."),
     }
 
     def start(self) -> None:
+        from . import logs
         from .server.app import serve
 
         if self.config_file:
@@ -55,6 +67,7 @@ class ServeApp(Application):
             self.load_config_file(os.path.basename(path), path=os.path.dirname(path))
             # Flags win over the file, as in every Jupyter application.
             self.update_config(self.cli_config)
+        logs.configure(self.log_level, self.log_style)
         self.exit(serve(Gateway(parent=self)))
 
 

@@ -42,10 +42,7 @@ class Culler:
         """Stop the idle sessions; return their ids."""
         culled = []
         for agent, sid in self.idle_sessions():
-            session = self.sessions.sessions.get((agent, sid))
-            kernel_id = session.kernel.id if session and session.kernel else None
-            await self.sessions.stop(agent, sid, why="culled")
-            log.info("session culled: agent=%s session=%s kernel=%s", agent, sid, kernel_id)
+            await self.sessions.stop(agent, sid, why="culled")  # the pool logs the cull
             culled.append(sid)
         return culled
 

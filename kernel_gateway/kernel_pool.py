@@ -25,6 +25,15 @@ from .settings import Gateway
 log = logging.getLogger("kernel_gateway.kernels")
 
 
+def log_kernel(event: str, kernel: Kernel, level: int = logging.INFO, **fields: object) -> None:
+    """One line per kernel event (start, stop, death, cull), with its id and agent."""
+    details = "".join(f" {k}={v}" for k, v in fields.items())
+    log.log(
+        level, "kernel %s: id=%s agent=%s%s", event, kernel.id, kernel.agent, details,
+        extra={"fields": {"event": f"kernel_{event}", "kernel_id": kernel.id, "agent": kernel.agent, **fields}},
+    )
+
+
 class KernelPool:
     """Live kernels by id, and the spares."""
 
@@ -86,7 +95,7 @@ class KernelPool:
         if kernel_id:
             kernel.id = kernel_id
         self._register(kernel)
-        log.info("kernel started: id=%s agent=%s session=%s pid=%s (%s)", kernel.id, agent, session, kernel.pid, how)
+        log_kernel("start", kernel, session=session, pid=kernel.pid, how=how)
         return kernel
 
     async def _start_fresh(self, agent: str, *, cwd: str, session_dir: str, session: str) -> Kernel:
@@ -123,18 +132,18 @@ class KernelPool:
 
     def _died(self, kernel: Kernel) -> None:
         code, sig = kernel.exit_status()
-        log.warning("kernel died: id=%s agent=%s exit_code=%s signal=%s", kernel.id, kernel.agent, code, sig)
+        log_kernel("death", kernel, logging.WARNING, exit_code=code, signal=sig)
         self.on_death(kernel)
 
-    async def stop(self, kernel: Kernel, *, now: bool = False, why: str = "stopped") -> None:
-        """Shut a kernel down and forget it."""
+    async def stop(self, kernel: Kernel, *, now: bool = False, why: str = "deleted") -> None:
+        """Shut a kernel down and forget it.  ``why``: deleted, culled, restart, dead, abandoned."""
         if self.kernels.get(kernel.id) is kernel:
             del self.kernels[kernel.id]
         kernel.on_death = None
         try:
             await kernel.shutdown(now=now)
         finally:
-            log.info("kernel %s: id=%s agent=%s", why, kernel.id, kernel.agent)
+            log_kernel("cull" if why == "culled" else "stop", kernel, why=why)
 
     def replenish_spare(self, agent: str) -> None:
         """Start the agent's spare kernel in the background, if spares are on and there is room."""
@@ -151,7 +160,7 @@ class KernelPool:
                 kernel = await self._start_fresh(agent, cwd=root, session_dir=root, session="")
                 if self.is_agent(agent) and agent not in self.spares and self.library.kernel_enabled(agent):
                     self.spares[agent] = kernel
-                    log.debug("spare kernel ready: id=%s agent=%s", kernel.id, agent)
+                    log_kernel("start", kernel, session="", pid=kernel.pid, how="spare")
                 else:
                     await kernel.shutdown(now=True)
             except asyncio.CancelledError:
@@ -168,6 +177,7 @@ class KernelPool:
         spare = self.spares.pop(agent, None)
         if spare is not None:
             await spare.shutdown(now=True)
+            log_kernel("stop", spare, why="spare dropped")
 
     async def shutdown_all(self) -> None:
         tasks = list(self._spare_tasks.values())
@@ -182,5 +192,5 @@ class KernelPool:
             if isinstance(result, BaseException):
                 log.error("kernel %s of agent %s: shutdown failed", kernel.id, kernel.agent, exc_info=result)
             else:
-                log.info("kernel stopped: id=%s agent=%s (gateway shutdown)", kernel.id, kernel.agent)
+                log_kernel("stop", kernel, why="shutdown")
         shutil.rmtree(self.runtime_root, ignore_errors=True)

@@ -281,7 +281,7 @@ class Kernel:
             self._watch_task.cancel()
             try:
                 await self._watch_task
-            except BaseException:
+            except asyncio.CancelledError:
                 pass
             self._watch_task = None
         if self._watch is not None:

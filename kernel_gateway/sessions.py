@@ -273,7 +273,7 @@ class Sessions:
             self.library.require_kernel(session.agent)
         if session.status == "stopped":
             # Deleted while it started: the kernel belongs to no one, so it goes now.
-            await self.pool.stop(kernel, now=True, why="stopped (its session was deleted during the start)")
+            await self.pool.stop(kernel, now=True, why="abandoned")
             raise GatewayError(
                 409, "session_stopped", f"session {session.id!r} was stopped while its kernel started",
                 "create it again if you still need it",
@@ -359,7 +359,7 @@ class Sessions:
         session.notice = died.fresh_kernel_notice() + was
         if kernel is not None:
             kernel.mark_dead()
-            await self.pool.stop(kernel, now=True, why="buried after its death")
+            await self.pool.stop(kernel, now=True, why="dead")
 
     async def _acquire_unless_busy(self, session: Session, doing: str) -> None:
         """Take the session's lock, or 409 once it stayed busy for ``busy_timeout`` seconds."""
@@ -407,7 +407,7 @@ class Sessions:
             if old is not None:
                 kernel_id = old.id
                 session.status = "dead"  # until the new kernel is up: never idle without a kernel
-                await self.pool.stop(old, now=True, why="restarting")
+                await self.pool.stop(old, now=True, why="restart")
             await self._start_kernel(session, check_caps=False, kernel_id=kernel_id)
             session.execution_count = 0
             session.notice = None
@@ -415,7 +415,7 @@ class Sessions:
             session.lock.release()
         return session.to_json()
 
-    async def stop(self, agent: str, session_id: str, why: str = "stopped") -> None:
+    async def stop(self, agent: str, session_id: str, why: str = "deleted") -> None:
         session = self.get(agent, session_id)
         kernel, session.kernel = session.kernel, None
         session.status = "stopped"

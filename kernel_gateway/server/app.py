@@ -28,7 +28,7 @@ from ..core import Core
 from ..jobs import JobManager
 from ..settings import Gateway
 from . import job_routes, library_routes, notebook_routes, session_routes, tool_routes
-from .base import NotFoundHandler
+from .base import NotFoundHandler, log_request, route_label
 
 log = logging.getLogger("kernel_gateway")
 
@@ -37,7 +37,7 @@ ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes, j
 
 def make_app(core: Core, scope: str | None = None) -> web.Application:
     handlers = [
-        (pattern, handler, {"core": core, "scope": scope})
+        (pattern, handler, {"core": core, "scope": scope, "route": route_label(pattern)})
         for module in ROUTE_MODULES
         for pattern, handler in module.routes()
     ]
@@ -45,6 +45,7 @@ def make_app(core: Core, scope: str | None = None) -> web.Application:
         handlers,
         default_handler_class=NotFoundHandler,
         default_handler_args={"core": core, "scope": scope},
+        log_function=log_request,
     )
 
 

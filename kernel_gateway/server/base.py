@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ from tornado import iostream, web
 from ..errors import GatewayError, bad_request, disk_full
 
 log = logging.getLogger("kernel_gateway")
+request_log = logging.getLogger("kernel_gateway.requests")
 
 KEEPALIVE_SECONDS = 10.0
 NDJSON = "application/x-ndjson"
@@ -41,9 +43,10 @@ class BaseHandler(web.RequestHandler):
 
     tool = "api"
 
-    def initialize(self, core: Any, scope: str | None = None) -> None:
+    def initialize(self, core: Any, scope: str | None = None, route: str = "") -> None:
         self.core = core
         self.scope = scope  # the agent of an agent socket; None on the control socket
+        self.route = route  # the route pattern, for the log: /v1/agents/{agent}/sessions
         self._started = time.monotonic()
         self._agent: str | None = None
         self._session: str | None = None
@@ -150,11 +153,17 @@ class BaseHandler(web.RequestHandler):
 
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
         if isinstance(value, GatewayError):
-            return  # a client error, already in the response and the audit log
+            # Deliberate: a client error, or a failure whose cause the core logged where it caught it.
+            return
         if disk_full(value):
             log.warning("%s %s: %s", self.request.method, self.request.path, value)  # a full quota is no bug
             return
-        super().log_exception(typ, value, tb)
+        if isinstance(value, web.HTTPError) and value.status_code < 500:
+            return
+        log.error(
+            "unexpected error in %s %s (agent %s)", self.request.method, self.route or self.request.path,
+            self._agent, exc_info=(typ, value, tb),
+        )
 
     def on_finish(self) -> None:
         if self.tool == "api" and self.get_status() < 400 and self.request.method == "GET":
@@ -169,6 +178,34 @@ class BaseHandler(web.RequestHandler):
             bytes_out=self._bytes_out,
             code=self._code,
         )
+
+
+def log_request(handler: web.RequestHandler) -> None:
+    """The access line: method, route pattern, agent, status, duration (never the body)."""
+    status = handler.get_status()
+    duration_ms = round(handler.request.request_time() * 1000, 2)
+    route = getattr(handler, "route", "") or "(no route)"
+    agent = getattr(handler, "_agent", None)
+    level = logging.ERROR if status >= 500 else logging.INFO
+    request_log.log(
+        level,
+        "%s %s %s agent=%s %.1fms",
+        handler.request.method, route, status, agent or "-", duration_ms,
+        extra={"fields": {"method": handler.request.method, "route": route, "agent": agent,
+                          "status": status, "duration_ms": duration_ms}},
+    )
+
+
+def route_label(pattern: str) -> str:
+    """A route regex as people read it: ``/v1/agents/([^/]+)/sessions`` -> ``/v1/agents/{agent}/sessions``."""
+    names = {"agents": "agent", "sessions": "session", "notebooks": "path", "cells": "cell", "variables": "name"}
+
+    def name(match: "re.Match[str]") -> str:
+        segment = match.group(1)
+        return f"/{segment}/{{{names.get(segment, segment)}}}"
+
+    label = re.sub(r"/([\w-]+)/\([^)]*\)", name, pattern)
+    return label.removesuffix("/?").removesuffix("$") or "/"
 
 
 def check_fields(body: dict, fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
