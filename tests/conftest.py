@@ -1,4 +1,9 @@
-"""Shared fixtures: sandboxed kernels started through plain jupyter_client.
+"""Shared fixtures: a real gateway per test module, and sandboxed kernels through plain jupyter_client.
+
+``gw`` is one ``kernel-gateway serve`` process for a whole test module, with
+the agents that module names in ``GATEWAY_AGENTS`` (default alice and bob)
+already created, started with the module's ``GATEWAY_ARGS`` (``{tmp}`` is its
+temporary directory).
 
 ``jupyter_path`` is a temporary JUPYTER_PATH for the whole test session;
 ``make_kernelspec`` writes a kernelspec there (one per provisioner config);
@@ -24,6 +29,23 @@ from jupyter_client import KernelManager
 from jupyter_client.blocking import BlockingKernelClient
 
 from kernel_gateway.provisioner import kernelspec_dict
+from support import GatewayProcess
+
+
+@pytest.fixture(scope="module")
+def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """A real gateway for the test module (real bwrap, real kernels, real Unix sockets)."""
+    module = request.module
+    tmp = tmp_path_factory.mktemp(module.__name__.rsplit(".", 1)[-1])
+    args = [arg.format(tmp=tmp) for arg in getattr(module, "GATEWAY_ARGS", ())]
+    gateway = GatewayProcess(tmp, *args).start()
+    try:
+        for agent in getattr(module, "GATEWAY_AGENTS", ("alice", "bob")):
+            status, body = gateway.client.call("PUT", f"/v1/agents/{agent}")
+            assert status in (200, 201), body
+        yield gateway
+    finally:
+        gateway.stop()
 
 
 @dataclass

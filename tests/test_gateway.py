@@ -14,15 +14,6 @@ import pytest
 from support import Client, GatewayProcess, pid_alive, wait_until
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    gateway = GatewayProcess(tmp_path_factory.mktemp("gw")).start()
-    for agent in ("alice", "bob"):
-        assert gateway.client.call("PUT", f"/v1/agents/{agent}")[0] in (200, 201)
-    yield gateway
-    gateway.stop()
-
-
 def run(gw, code, agent="alice", session="s1", **extra):
     status, body = gw.client.execute(agent, session, code, **extra)
     assert status == 200, body

@@ -30,16 +30,13 @@ def agent_root(gateway: GatewayProcess, agent: str = AGENT) -> Path:
     return Path(gateway.root) / agent
 
 
+GATEWAY_AGENTS = (AGENT,)
+GATEWAY_ARGS = ("--socket", "{tmp}/state/control.sock")
+
+
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("jlk")
-    gw = GatewayProcess(tmp, "--socket", str(tmp / "state" / "control.sock")).start()
-    try:
-        status, _ = gw.client.call("PUT", f"/v1/agents/{AGENT}")
-        assert status in (200, 201)
-        yield gw
-    finally:
-        gw.stop()
+def gateway(gw: GatewayProcess) -> GatewayProcess:
+    return gw
 
 
 @pytest.fixture(autouse=True)

@@ -275,13 +275,7 @@ def test_writes_for_the_agent_are_checked_on_what_is_opened_not_on_a_name(lib):
 # --- through the real gateway ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    gateway = GatewayProcess(tmp_path_factory.mktemp("library")).start()
-    for agent in ("alice", "bob", "carol"):
-        assert gateway.client.call("PUT", f"/v1/agents/{agent}")[0] == 201
-    yield gateway
-    gateway.stop()
+GATEWAY_AGENTS = ("alice", "bob", "carol")
 
 
 def run(gw, code, agent="alice", session="s1"):

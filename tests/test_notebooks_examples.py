@@ -15,7 +15,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from support import GatewayProcess
 
 pd = pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
@@ -25,13 +24,12 @@ AGENT = "analyst"
 ARTIFACT_MIME = "application/vnd.kernel-gateway.artifact+json"
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    gateway = GatewayProcess(tmp_path_factory.mktemp("examples")).start()
-    assert gateway.client.call("PUT", f"/v1/agents/{AGENT}")[0] in (200, 201)
-    shutil.copytree(NOTEBOOKS, os.path.join(gateway.root, AGENT, "user-files", "notebooks"))
-    yield gateway
-    gateway.stop()
+GATEWAY_AGENTS = (AGENT,)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def examples_in_the_agents_tree(gw):
+    shutil.copytree(NOTEBOOKS, os.path.join(gw.root, AGENT, "user-files", "notebooks"))
 
 
 def run_all(gw, name: str) -> tuple[dict, nbformat.NotebookNode]:

@@ -9,16 +9,7 @@ import urllib.parse
 
 import pytest
 
-from support import GatewayProcess
 
-
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    gateway = GatewayProcess(tmp_path_factory.mktemp("tools")).start()
-    for agent in ("alice", "bob"):
-        gateway.client.call("PUT", f"/v1/agents/{agent}")
-    yield gateway
-    gateway.stop()
 
 
 def tree_digest(root: str) -> str:
