@@ -49,6 +49,7 @@ class Session:
     kernel: Kernel | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     notice: str | None = None
+    previous_kernel_id: str | None = None  # the kernel that died; the next one has a new id
 
     @property
     def state(self) -> str:
@@ -69,6 +70,7 @@ class Session:
             "execution_state": self.state,
             "kernel": self.kernel_name,
             "kernel_id": self.kernel.id if self.kernel else None,
+            "previous_kernel_id": self.previous_kernel_id,
             "connections": self.kernel.connections if self.kernel else 0,
             "cwd": self.cwd or self.directory,
             "directory": self.directory,
@@ -355,8 +357,8 @@ class Sessions:
     async def _bury(self, session: Session, died: KernelDied) -> None:
         kernel, session.kernel = session.kernel, None
         session.status = "dead"
-        was = f" The kernel id was {kernel.id}; this one has a new kernel id." if kernel is not None else ""
-        session.notice = died.fresh_kernel_notice() + was
+        session.previous_kernel_id = kernel.id if kernel is not None else None
+        session.notice = died.fresh_kernel_notice()
         if kernel is not None:
             kernel.mark_dead()
             await self.pool.stop(kernel, now=True, why="dead")

@@ -88,7 +88,7 @@ def test_a_restart_keeps_the_kernel_id_and_a_death_gives_a_new_one(gw):
     after = gw.client.execute("a", "life", "1")[1]
     fresh = session(gw, "life")
     assert fresh["kernel_id"] not in (None, first["kernel_id"])
-    assert first["kernel_id"] in after["notice"] and "new kernel id" in after["notice"]
+    assert fresh["previous_kernel_id"] == first["kernel_id"] and "fresh kernel" in after["notice"]
 
 
 def test_two_clients_on_one_kernel_each_get_exactly_their_own(gw):
