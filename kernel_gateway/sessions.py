@@ -373,7 +373,10 @@ class SessionManager:
         # The timeout counts from arrival: time spent queued behind another
         # execution of this session is part of it.
         try:
-            await asyncio.wait_for(session.lock.acquire(), None if deadline is None else deadline - time.monotonic())
+            if session.lock.locked():
+                await asyncio.wait_for(session.lock.acquire(), None if deadline is None else deadline - time.monotonic())
+            else:
+                await session.lock.acquire()  # a free session is taken at once, however short the timeout
         except asyncio.TimeoutError:
             return bare_result(
                 "timeout",

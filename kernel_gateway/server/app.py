@@ -27,10 +27,10 @@ from ..codex_runner import check_model_profile
 from ..jobs import JobManager
 from ..sessions import SessionManager
 from ..settings import Gateway
-from . import job_routes, library_routes, notebook_routes, session_routes, tool_routes
+from . import job_routes, library_routes, notebook_routes, openapi_routes, session_routes, tool_routes
 from .base import NotFoundHandler
 
-ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes, job_routes]
+ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes]
 
 
 @dataclass
