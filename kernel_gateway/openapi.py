@@ -44,6 +44,7 @@ STATUS_TEXT = {
     "415": "A binary file asked for as text.",
     "422": "The patch did not apply; nothing changed.",
     "429": "Over a session or connection cap.",
+    "507": "The agent's disk quota is full; nothing changed.",
 }
 
 SESSION = {
@@ -132,7 +133,7 @@ def _op(summary: str, *, ok: str = "200", result: dict | None = None, body: dict
     op["responses"] = {ok: {"description": "Success.", "content": content}}
     for status in extra_ok:
         op["responses"][status] = {"description": "Success.", "content": {JSON: {"schema": result or {"type": "object"}}}}
-    for status in ("403",) + errors + ("405",):
+    for status in ("403",) + errors + ("405", "507"):
         op["responses"][status] = {"description": STATUS_TEXT[status], "content": {JSON: {"schema": ERROR}}}
     return op
 
