@@ -111,6 +111,7 @@ PATH_PARAMS = {
     "cell_id": _param("cell_id", "path", {"type": "string"}, "A cell id of the notebook."),
     "name": _param("name", "path", {"type": "string"}, "A variable name in the session's kernel."),
     "skill": _param("skill", "path", {"type": "string"}, "A skill's name (its directory in installed-skills/)."),
+    "job": _param("job", "path", {"type": "string"}, "A job id."),
     "document": _param("document", "path", {"type": "string", "enum": ["SOUL.md", "MISSION.md", "DESIGN.md"]},
                        "One of the agent's documents."),
 }
@@ -138,6 +139,12 @@ def _op(summary: str, *, ok: str = "200", result: dict | None = None, body: dict
     return op
 
 
+def _text_op(op: dict, media: str) -> dict:
+    """An operation whose success is plain text of one media type, not JSON."""
+    op["responses"]["200"]["content"] = {media: {"schema": {"type": "string"}}}
+    return op
+
+
 def _path(*names: str, **methods: dict) -> dict:
     return {"parameters": [PATH_PARAMS[n] for n in names], **methods}
 
@@ -151,6 +158,20 @@ SKILL = {
     },
 }
 DOCUMENT = {"type": "object", "required": ["etag"], "properties": {"etag": {"type": "string"}}}
+
+JOB = {
+    "type": "object",
+    "required": ["id", "kind", "state"],
+    "properties": {
+        "id": {"type": "string"}, "kind": {"type": "string"},
+        "state": {"type": "string", "enum": ["queued", "running", "succeeded", "failed", "timed_out",
+                                             "cancelled", "lost"]},
+        "created": {"type": ["number", "null"]}, "started": {"type": ["number", "null"]},
+        "ended": {"type": ["number", "null"]}, "exit_code": {"type": ["integer", "null"]},
+        "stdout_tail": {"type": "string"}, "stderr_tail": {"type": "string"},
+        "patch": {"type": ["object", "null"]},
+    },
+}
 
 NOTEBOOK_EDIT = _obj({"etag": {"type": "string"}}, ("etag",))
 NOTEBOOK_ERRORS = ("400", "404", "409")
@@ -298,6 +319,42 @@ ROUTES: dict[str, dict] = {
         put=_op("Replace a document (control socket only): the text, or {\"text\": ...} as JSON.",
                 result=DOCUMENT, if_match=True, errors=("400", "404", "409", "413"),
                 body_types=(JSON, "text/plain"), body=_obj({"text": {"type": "string"}}, ("text",))),
+    ),
+    "/v1/agents/{agent}/jobs": _path(
+        "agent",
+        post=_op("Start a background job over a copy of a directory of the agent's tree; it ends in a patch.",
+                 ok="201", result=JOB, errors=("400", "404", "409", "413", "429"),
+                 body=_obj({"kind": {"type": "string", "enum": ["command", "codex"]},
+                            "from": {"type": "string", "description": "A directory inside the agent's tree."},
+                            "command": {"type": "string"}, "argv": {"type": "array", "items": {"type": "string"}},
+                            "objective": {"type": "string"},
+                            "limits": {"type": "object", "description": "wall, cpu, processes, file_size, memory: "
+                                       "narrower than the job profile's, never wider."},
+                            "env": {"type": "object", "additionalProperties": {"type": "string"}}},
+                           ("kind", "from"))),
+        get=_op("The agent's jobs, newest first.", result=_obj({"jobs": {"type": "array", "items": JOB}}, ("jobs",))),
+    ),
+    "/v1/agents/{agent}/jobs/{job}": _path(
+        "agent", "job",
+        get=_op("One job.", result=JOB,
+                query=(_param("wait", "query", {"type": "string", "enum": ["0", "1"]},
+                              "Answer once the job has ended."),)),
+        delete=_op("Remove a finished job and its workspace.", errors=("400", "404", "409")),
+    ),
+    "/v1/agents/{agent}/jobs/{job}/patch": _path(
+        "agent", "job",
+        get=_text_op(_op("The job's change.patch, a unified diff; its SHA-256 in X-Patch-SHA256.",
+                         errors=("400", "404", "409", "413")), "text/x-diff"),
+    ),
+    "/v1/agents/{agent}/jobs/{job}/apply": _path(
+        "agent", "job",
+        post=_op("Apply the job's patch to its `from` directory: all of it or nothing; 409 if the source changed.",
+                 body=EMPTY_BODY, errors=("400", "404", "409")),
+    ),
+    "/v1/agents/{agent}/jobs/{job}/cancel": _path(
+        "agent", "job",
+        post=_op("Cancel a queued or running job; every process of it ends.", result=JOB, body=EMPTY_BODY,
+                 errors=("400", "404", "409")),
     ),
 }
 

@@ -112,7 +112,7 @@ schema = schemathesis.openapi.from_dict(openapi.document(__version__))
 # Half the cases aim at the agent, session and notebook that exist, so the
 # fuzzer gets past 404 into the routes' own validation and work.
 KNOWN = {"agent": AGENT, "session": SESSION, "path": NOTEBOOK, "cell_id": "c1", "name": "x",
-         "skill": "jupyter-live-kernel", "document": "SOUL.md"}
+         "skill": "jupyter-live-kernel", "document": "SOUL.md", "job": "j1"}
 
 
 def _aim(case) -> None:

@@ -22,7 +22,7 @@ METHODS = ("get", "put", "post", "patch", "delete")
 # Routes that exist only to answer an error (no .ipynb in a notebook path).
 ERROR_ONLY = {NotANotebookHandler}
 SAMPLES = {"agent": "alice", "session": "s1", "path": "dir/nb.ipynb", "cell_id": "c1", "name": "x",
-           "skill": "my-skill", "document": "SOUL.md"}
+           "skill": "my-skill", "document": "SOUL.md", "job": "j1"}
 
 
 def served_routes() -> list[tuple[re.Pattern, type]]:
