@@ -121,7 +121,8 @@ IF_MATCH = _param("If-Match", "header", {"type": "string"}, "The ETag the change
 
 def _op(summary: str, *, ok: str = "200", result: dict | None = None, body: dict | None = None,
         errors: tuple[str, ...] = ("400", "404"), query: tuple[dict, ...] = (), stream: bool = False,
-        body_types: tuple[str, ...] = (JSON,), if_match: bool = False, extra_ok: tuple[str, ...] = ()) -> dict:
+        body_types: tuple[str, ...] = (JSON,), if_match: bool = False, extra_ok: tuple[str, ...] = (),
+        error_schemas: dict | None = None) -> dict:
     op: dict[str, Any] = {"summary": summary, "parameters": list(query)}
     if if_match:
         op["parameters"].append(IF_MATCH)
@@ -135,7 +136,8 @@ def _op(summary: str, *, ok: str = "200", result: dict | None = None, body: dict
     for status in extra_ok:
         op["responses"][status] = {"description": "Success.", "content": {JSON: {"schema": result or {"type": "object"}}}}
     for status in ("403",) + errors + ("405", "507"):
-        op["responses"][status] = {"description": STATUS_TEXT[status], "content": {JSON: {"schema": ERROR}}}
+        schema = (error_schemas or {}).get(status, ERROR)
+        op["responses"][status] = {"description": STATUS_TEXT[status], "content": {JSON: {"schema": schema}}}
     return op
 
 
@@ -158,6 +160,20 @@ SKILL = {
     },
 }
 DOCUMENT = {"type": "object", "required": ["etag"], "properties": {"etag": {"type": "string"}}}
+
+PATCH_RESULT = {
+    "type": "object",
+    "required": ["ok", "output"],
+    "properties": {
+        "ok": {"type": "boolean"},
+        "output": {"type": "string", "description": "Codex's own output text, byte for byte."},
+        "added": {"type": "array", "items": {"type": "string"}},
+        "modified": {"type": "array", "items": {"type": "string"}},
+        "deleted": {"type": "array", "items": {"type": "string"}},
+    },
+}
+# A failed patch is an error, and keeps Codex's fields beside it.
+PATCH_FAILED = {"allOf": [ERROR, PATCH_RESULT]}
 
 JOB = {
     "type": "object",
@@ -250,7 +266,8 @@ ROUTES: dict[str, dict] = {
         "agent",
         post=_op("Apply a patch in Codex's apply_patch grammar.",
                  body=_obj({"patch": {"type": "string"}, "cwd": {"type": "string"}}, ("patch",)),
-                 errors=("400", "404", "413", "422")),
+                 body_types=(JSON, "text/plain"), result=PATCH_RESULT,
+                 errors=("400", "404", "413", "422"), error_schemas={"422": PATCH_FAILED}),
     ),
     "/v1/agents/{agent}/notebooks/{path}": _path(
         "agent", "path",

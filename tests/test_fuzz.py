@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import zlib
 
 import pytest
 import requests
@@ -117,7 +118,7 @@ KNOWN = {"agent": AGENT, "session": SESSION, "path": NOTEBOOK, "cell_id": "c1", 
 
 def _aim(case) -> None:
     params = case.path_parameters or {}
-    if params and hash(repr(sorted(params.items()))) % 2 == 0:
+    if params and zlib.crc32(repr(sorted(params.items())).encode()) % 2 == 0:
         for name in params:
             params[name] = KNOWN[name]
 
@@ -125,7 +126,8 @@ def _aim(case) -> None:
 def _error_shape(response: requests.Response) -> None:
     if 400 <= response.status_code < 500:
         body = response.json()
-        assert set(body) == {"error"}, body
+        # A failed patch also keeps Codex's own fields beside "error" (documented).
+        assert "error" in body, body
         assert set(body["error"]) == {"code", "message", "hint"}, body
         assert all(isinstance(body["error"][k], str) for k in ("code", "message", "hint")), body
 
