@@ -247,7 +247,10 @@ ROUTES: dict[str, dict] = {
         "agent",
         post=_op("Run a shell command in a fresh sandbox over the agent's tree.", stream=True,
                  body=_obj({"command": {"type": "string"}, "argv": {"type": "array", "items": {"type": "string"}},
-                            "cwd": {"type": "string"}, "timeout": TIMEOUT,
+                            "cwd": {"type": "string"},
+                            "session": {"type": "string", "description": "Run in this session's working "
+                                        "directory, with $JLK_SESSION set."},
+                            "timeout": TIMEOUT,
                             "env": {"type": "object", "additionalProperties": {"type": "string"}},
                             "stdin": {"type": "string"}, "stream": {"type": "boolean"}},
                            description="Exactly one of command and argv."),

@@ -107,6 +107,13 @@ def test_schemas_are_valid_json_schema_2020_12():
         jsonschema.Draft202012Validator.check_schema(schema)
 
 
+def test_the_command_body_names_every_request_key():
+    from kernel_gateway.tools.command import REQUEST_KEYS
+
+    schema = DOC["paths"]["/v1/agents/{agent}/commands"]["post"]["requestBody"]["content"]["application/json"]
+    assert set(schema["schema"]["properties"]) == set(REQUEST_KEYS)
+
+
 EXAMPLES = [
     # (route, method, body that must be valid, body that must not be)
     ("/v1/agents/{agent}/sessions/{session}/execute", "post", {"code": "x = 1", "timeout": 5}, {"code": 7}),
