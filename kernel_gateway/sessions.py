@@ -284,7 +284,7 @@ class SessionManager:
             self._check_caps(session.agent)
         previous, session.state = session.state, "starting"
         try:
-            os.makedirs(session.directory, exist_ok=True)
+            await asyncio.to_thread(workspace.make_session_dir, self.settings.root, session.agent, session.id)
             session.kernel = await self._kernel_for(session)
         except BaseException as e:
             session.state = previous
@@ -403,6 +403,9 @@ class SessionManager:
                     limit=self.settings.output_limit,
                     inline_images=inline_images,
                     on_output=on_output,
+                    cell_limit=self.settings.cell_output_limit,
+                    agent_root=self.agent_root(agent),
+                    session_dir=session.directory,
                 )
             except KernelDied as died:
                 await self._bury(session, died)

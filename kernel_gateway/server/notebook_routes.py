@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Any
 
 from .. import notebook_runs, variables
@@ -10,7 +10,7 @@ from ..errors import bad_request
 from ..notebooks import NotebookStore
 from ..tools import workspace_paths
 from . import library_routes
-from .base import BaseHandler
+from .base import BaseHandler, parse_json
 from .session_routes import StreamingHandler
 
 
@@ -43,53 +43,53 @@ class NotebookBase(BaseHandler):
 
 
 class NotebookHandler(NotebookBase):
-    def get(self, agent: str, path: str) -> None:
-        self.reply(self.store(agent).contents(path, include_outputs=self.query_bool("outputs")))
+    async def get(self, agent: str, path: str) -> None:
+        store, outputs = self.store(agent), self.query_bool("outputs")
+        self.reply(await asyncio.to_thread(store.contents, path, include_outputs=outputs))
 
-    def put(self, agent: str, path: str) -> None:
+    async def put(self, agent: str, path: str) -> None:
         store = self.store(agent)
-        try:
-            notebook = json.loads(self.request.body or b"")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+        notebook = parse_json(self.request.body or b"")
         if not isinstance(notebook, dict):
             raise bad_request("the body must be a notebook (a JSON object)", code="malformed_json")
-        result = store.put(path, notebook, if_match=self.if_match())
+        result = await asyncio.to_thread(store.put, path, notebook, if_match=self.if_match())
         self.reply(result, 201 if result["created"] else 200)
 
 
 class CellsHandler(NotebookBase):
-    def post(self, agent: str, path: str) -> None:
+    async def post(self, agent: str, path: str) -> None:
         store = self.store(agent)
         body = self.json_body({"index": int, "cell_type": str, "source": str}, required=("index", "source"))
-        result = store.insert_cell(
-            path, body["index"], body.get("cell_type", "code"), body["source"], if_match=self.if_match()
+        result = await asyncio.to_thread(
+            store.insert_cell, path, body["index"], body.get("cell_type", "code"), body["source"],
+            if_match=self.if_match(),
         )
         self.reply(result, 201)
 
 
 class CellHandler(NotebookBase):
-    def patch(self, agent: str, path: str, cell_id: str) -> None:
+    async def patch(self, agent: str, path: str, cell_id: str) -> None:
         store = self.store(agent)
         body = self.json_body({"source": str}, required=("source",))
-        self.reply(store.replace_source(path, cell_id, body["source"], if_match=self.if_match()))
+        self.reply(await asyncio.to_thread(store.replace_source, path, cell_id, body["source"], self.if_match()))
 
-    def delete(self, agent: str, path: str, cell_id: str) -> None:
-        self.reply(self.store(agent).delete_cell(path, cell_id, if_match=self.if_match()))
+    async def delete(self, agent: str, path: str, cell_id: str) -> None:
+        store = self.store(agent)
+        self.reply(await asyncio.to_thread(store.delete_cell, path, cell_id, self.if_match()))
 
 
 class MoveHandler(NotebookBase):
-    def post(self, agent: str, path: str, cell_id: str) -> None:
+    async def post(self, agent: str, path: str, cell_id: str) -> None:
         store = self.store(agent)
         body = self.json_body({"to_index": int}, required=("to_index",))
-        self.reply(store.move_cell(path, cell_id, body["to_index"], if_match=self.if_match()))
+        self.reply(await asyncio.to_thread(store.move_cell, path, cell_id, body["to_index"], self.if_match()))
 
 
 class ClearOutputsHandler(NotebookBase):
-    def post(self, agent: str, path: str) -> None:
+    async def post(self, agent: str, path: str) -> None:
         store = self.store(agent)
         body = self.json_body({"cell_ids": list})
-        self.reply(store.clear_outputs(path, body.get("cell_ids"), if_match=self.if_match()))
+        self.reply(await asyncio.to_thread(store.clear_outputs, path, body.get("cell_ids"), self.if_match()))
 
 
 NOTEBOOK_SESSION = "notebook:"  # the prefix of a notebook's own session id
@@ -108,7 +108,8 @@ class RunBase(StreamingHandler, NotebookBase):
         if session:
             return self.session_arg(session)
         session = self.session_arg(notebook_session(path))
-        folder = workspace_paths.resolve_in_root(self.core.sessions.agent_root(agent), path).parent
+        root = self.core.sessions.agent_root(agent)
+        folder = (await asyncio.to_thread(workspace_paths.resolve_in_root, root, path)).parent
         await self.core.sessions.get_or_create(agent, session, cwd=str(folder))
         return session
 
@@ -125,7 +126,7 @@ class ExecuteCellHandler(RunBase):
         store = self.store(agent)
         body = self.json_body({"session": str, "code": str, "timeout": (int, float, type(None)), "save_outputs": bool})
         timeout = self.check_timeout(body)
-        store.contents(path)  # a missing or broken notebook fails before any kernel starts
+        await asyncio.to_thread(store.contents, path)  # a missing or broken notebook fails before any kernel starts
         session = await self.notebook_session(self._agent, path, body.get("session"))
         result = await notebook_runs.run_cell(
             store,
@@ -147,7 +148,7 @@ class RunAllHandler(RunBase):
         )
         timeout = self.check_timeout(body)
         agent = self._agent
-        store.contents(path)  # a missing or broken notebook fails before any kernel starts
+        await asyncio.to_thread(store.contents, path)  # a missing or broken notebook fails before any kernel starts
         session = await self.notebook_session(agent, path, body.get("session"))
 
         async def restart() -> None:

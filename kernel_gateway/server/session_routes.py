@@ -10,7 +10,7 @@ from tornado import iostream
 
 from ..errors import GatewayError, bad_request
 from . import library_routes
-from .base import BaseHandler
+from .base import SANDBOX_SOCKET, BaseHandler
 
 KEEPALIVE_SECONDS = 10.0
 NDJSON = "application/x-ndjson"
@@ -24,6 +24,7 @@ class InfoHandler(BaseHandler):
             info = {k: info[k] for k in ("version", "bwrap", "sandbox", "limits")}
             info["agent"] = self.scope
             info["root"] = self.core.sessions.agent_root(self.scope)
+            info["socket"] = SANDBOX_SOCKET
         self.send_json(info)
 
 
@@ -46,18 +47,24 @@ class AgentHandler(BaseHandler):
         created = self.core.sessions.ensure_agent(agent)
         for name, text in documents.items():
             self.core.sessions.library.put_document(agent, name, text)
-        self.send_json(self.core.sessions.agent_json(agent), 201 if created else 200)
+        self.send_json(self.agent_json(agent), 201 if created else 200)
 
     def get(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.core.sessions.require_agent(agent)
-        self.send_json(self.core.sessions.agent_json(agent))
+        self.send_json(self.agent_json(agent))
+
+    def agent_json(self, agent: str) -> dict:
+        body = self.core.sessions.agent_json(agent)
+        if self.scope is not None:
+            body["socket"] = SANDBOX_SOCKET  # where the agent reaches it, not where it sits on the host
+        return body
 
     async def delete(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.require_control_socket()
         await self.core.sessions.stop_agent(agent)
-        self.send_json(self.core.sessions.agent_json(agent))
+        self.send_json(self.agent_json(agent))
 
 
 class SessionsHandler(BaseHandler):
@@ -165,6 +172,7 @@ class StreamingHandler(BaseHandler):
         return 200
 
     def on_connection_close(self) -> None:
+        super().on_connection_close()
         # The client left: cancelling interrupts a running cell (see run_cell).
         if self._task is not None and not self._task.done():
             self._task.cancel()

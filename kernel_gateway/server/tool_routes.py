@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 from typing import Any
 
@@ -13,7 +13,7 @@ from ..tools.command import REQUEST_KEYS, run_command
 from . import library_routes
 from .notebook_routes import NOTEBOOK_SESSION
 from .session_routes import StreamingHandler
-from .base import BaseHandler, check_fields
+from .base import BaseHandler, check_fields, parse_json
 
 
 def session_cwd(core: Any, agent: str, session: str) -> str:
@@ -76,13 +76,15 @@ class CommandHandler(StreamingHandler):
 class FileHandler(BaseHandler):
     tool = "read_file"
 
-    def get(self, agent: str) -> None:
+    async def get(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.core.sessions.require_agent(agent)
         path = self.get_query_argument("path", None)
         if path is None:
             raise bad_request("missing query parameter path", "GET .../files?path=user-files/data.csv")
-        result = read_file.read_file(
+        # Disk reads in the agent's tree stay off the event loop.
+        result = await asyncio.to_thread(
+            read_file.read_file,
             self.core.sessions.agent_root(agent),
             path,
             offset=self.query_int("offset", 1, minimum=1),
@@ -125,10 +127,7 @@ class PatchHandler(BaseHandler):
         if content_type.startswith("application/json") or (
             not content_type.startswith("text/") and text.lstrip().startswith("{")
         ):
-            try:
-                body = json.loads(text)
-            except ValueError as e:
-                raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+            body = parse_json(text)
             if not isinstance(body, dict):
                 raise bad_request("the body must be a JSON object", code="malformed_json")
             check_fields(body, {"patch": str, "cwd": str}, required=("patch",))
@@ -137,10 +136,11 @@ class PatchHandler(BaseHandler):
             raise bad_request("the patch is empty", "send *** Begin Patch ... *** End Patch", code="empty_patch")
         try:
             resolved = workspace_paths.resolve_in_root(root, cwd)
+            os.close(workspace_paths.open_in_root(root, resolved, os.O_PATH | os.O_DIRECTORY))
         except workspace_paths.PathOutsideRoot as e:
             raise GatewayError(403, "outside_workspace", str(e)) from None
-        if not resolved.is_dir():
-            raise bad_request(f"cwd {cwd!r} is not a directory in the agent's tree", code="invalid_cwd")
+        except OSError:
+            raise bad_request(f"cwd {cwd!r} is not a directory in the agent's tree", code="invalid_cwd") from None
         return text, str(resolved)
 
     async def post(self, agent: str) -> None:
@@ -148,16 +148,17 @@ class PatchHandler(BaseHandler):
         sessions = self.core.sessions
         sessions.require_agent(agent)
         root = sessions.agent_root(agent)
-        patch, cwd = self._patch_and_cwd(root)
+        patch, cwd = await asyncio.to_thread(self._patch_and_cwd, root)
         library_routes.refuse_protected(self.core, agent, library_routes.patch_targets(root, patch, cwd))
         external = self.core.settings.apply_patch_command
         if external:
             result = await self._external(agent, external, patch, cwd)
         else:
             library = sessions.library
-            result = apply_patch.apply_patch(
-                patch, cwd, root=root, refuse=lambda path: library.protected(agent, path) is not None
-            ).__dict__
+            result = (await asyncio.to_thread(
+                apply_patch.apply_patch, patch, cwd, root=root,
+                refuse=lambda path: library.protected(agent, path) is not None,
+            )).__dict__
         if result["ok"]:
             self.send_json(result)
         else:
