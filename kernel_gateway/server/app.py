@@ -29,6 +29,7 @@ from ..sessions import SessionManager
 from ..settings import Gateway
 from . import job_routes, library_routes, notebook_routes, openapi_routes, session_routes, tool_routes
 from .base import NotFoundHandler
+from .connections import ConnectionGate
 
 ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes]
 
@@ -53,7 +54,17 @@ def make_app(core: Core, scope: str | None = None) -> web.Application:
         handlers,
         default_handler_class=NotFoundHandler,
         default_handler_args={"core": core, "scope": scope},
+        log_function=log_request,
     )
+
+
+def log_request(handler: web.RequestHandler) -> None:
+    """Only server errors reach the log: every call is in the audit log, and a flood of
+    refused requests must not become a flood of log lines."""
+    if handler.get_status() >= 500:
+        web.access_log.error(
+            "%d %s %.2fms", handler.get_status(), handler._request_summary(), 1000.0 * handler.request.request_time()
+        )
 
 
 def bwrap_version(path: str) -> str:
@@ -95,7 +106,8 @@ class GatewayServer:
             max_body_size=self.settings.max_body_size + (1 << 20),
             idle_connection_timeout=3600,
         )
-        server.add_sockets([sock])
+        # Our own accept loop: caps per agent socket, and no spinning when descriptors run out.
+        self.gate.listen(sock, server, scope)
         self.servers[scope] = (server, path)
 
     def _agent_created(self, agent: str) -> None:
@@ -134,6 +146,7 @@ class GatewayServer:
         bwrap = find_bwrap(s.bwrap or None)
         self._check_profiles()
         self._prepare_dirs()
+        self.gate = ConnectionGate(s.max_connections_per_agent_socket, s.fd_reserve)
         sessions = SessionManager(s)
         self.core = Core(settings=s, sessions=sessions)
         self.core.info = {
@@ -155,6 +168,9 @@ class GatewayServer:
                 "max_sessions_total": s.max_sessions_total,
                 "cull_idle_timeout": s.cull_idle_timeout,
                 "spare_kernels": s.spare_kernels,
+                "cell_output_limit": s.cell_output_limit,
+                "max_requests_per_agent_socket": s.max_requests_per_agent_socket,
+                **self.gate.describe(),
             },
             "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket, "runtime": sessions.runtime_root},
         }
@@ -196,8 +212,7 @@ class GatewayServer:
         self._stopping = True
         if self._cull_task:
             self._cull_task.cancel()
-        for server, _path in self.servers.values():
-            server.stop()
+        self.gate.close_all()
         if self.core.jobs:
             await self.core.jobs.stop()
         await self.core.sessions.shutdown_all()
