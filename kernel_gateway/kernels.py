@@ -69,6 +69,8 @@ class KernelOptions:
     runtime_root: str
     cgroup_prefix: str
     read_only: tuple = ()  # more read-only binds (the Agent Library's), after the profile's
+    # The kernel side spills at half the gateway's per-cell budget, so its own marker still fits.
+    cell_output_limit: int = 0
 
 
 class Kernel:
@@ -111,6 +113,8 @@ class Kernel:
             "KERNEL_GATEWAY_OUTPUT_DIR": os.path.join(session_dir, "outputs"),
             "HOME": session_dir,
             "JLK_SESSION": session,
+            **({"KERNEL_GATEWAY_CELL_OUTPUT_LIMIT": str(options.cell_output_limit // 2)}
+               if options.cell_output_limit else {}),
         }
         km = AsyncKernelManager(
             kernel_name=KERNEL_NAME,

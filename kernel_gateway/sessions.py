@@ -94,6 +94,7 @@ class SessionManager:
             runtime_root=self.runtime_root,
             cgroup_prefix=self.cgroup_prefix,
             read_only=tuple(self.library.read_only_binds(agent)),
+            cell_output_limit=settings.cell_output_limit,
         )
 
     def sweep_leftovers(self) -> None:
