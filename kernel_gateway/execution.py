@@ -41,9 +41,10 @@ CHAINED = ("The above exception was the direct cause", "During handling of the a
 ARROW = re.compile(r"^-*>\s*\d+")  # IPython's "---->" / "->" marker of the running line
 POLL_SECONDS = 0.5
 INTERRUPT_GRACE_SECONDS = 5.0
-DEFAULT_CELL_LIMIT = 512 << 10
+DEFAULT_CELL_LIMIT = 384 << 10
 # What an error output keeps once the cell's budget is spent: an error always comes through.
 ERROR_KEEP_CHARS = 16 << 10
+MAX_SPILL_PATHS = 64  # listed in a result; the files themselves are all there
 
 OutputCallback = Callable[[dict], Awaitable[None]]
 
@@ -97,6 +98,8 @@ class CellRun:
     dropped: int = 0  # outputs dropped past the budget
     dropped_bytes: int = 0
     ignored: int = 0  # messages of the wrong shape
+    reply: dict | None = None  # the execute_reply, when it was seen before the final "idle"
+    _over_budget_error: dict | None = None
 
     def _fits(self, size: int) -> bool:
         """Take ``size`` bytes of the cell's budget, or count a dropped output."""
@@ -147,16 +150,18 @@ class CellRun:
         if not isinstance(data, dict) or not isinstance(metadata, dict):
             self.ignored += 1
             return None
-        if not self._fits(len(json.dumps(data)) + len(json.dumps(metadata))):
-            return self._drop_marker()
-        data = dict(data)
         if TRUNCATION_MIME in data:
+            # A note, not an output: nothing of it is kept but a path, and only so many of those.
             note = data[TRUNCATION_MIME]
             self.truncated = True
             path = note.get("path") if isinstance(note, dict) else None
-            if isinstance(path, str) and path not in self.spill_paths:
-                self.spill_paths.append(path)
+            if isinstance(path, str) and len(path) <= 4096 and path not in self.spill_paths:
+                if len(self.spill_paths) < MAX_SPILL_PATHS:
+                    self.spill_paths.append(path)
             return None
+        if not self._fits(len(json.dumps(data)) + len(json.dumps(metadata))):
+            return self._drop_marker()
+        data = dict(data)
         if ARTIFACT_MIME in data:
             ref = data[ARTIFACT_MIME]
             if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or not isinstance(
@@ -178,7 +183,8 @@ class CellRun:
         ename, evalue = str(ename)[:ERROR_KEEP_CHARS], str(evalue)[:ERROR_KEEP_CHARS]
         lines = [str(line) for line in traceback] if isinstance(traceback, list) else []
         size = len(ename) + len(evalue) + sum(len(line) for line in lines)
-        if self.kept + size > self.cell_limit:
+        over = self.kept + size > self.cell_limit
+        if over:
             kept, left = [], ERROR_KEEP_CHARS
             for line in reversed(lines):
                 if len(line) > left:
@@ -187,10 +193,17 @@ class CellRun:
                 left -= len(line)
             lines = kept
             self.truncated = True
-        self.kept += len(ename) + len(evalue) + sum(len(line) for line in lines)
         self.error = {"ename": ename, "evalue": evalue, "traceback": lines}
         output = {"output_type": "error", **self.error}
-        self.outputs.append(output)
+        if over and self._over_budget_error is not None:
+            # Past the budget only the latest error is held, in the place of the one before.
+            self.outputs[self.outputs.index(self._over_budget_error)] = output
+            self.dropped += 1
+        else:
+            self.kept += len(ename) + len(evalue) + sum(len(line) for line in lines)
+            self.outputs.append(output)
+        if over:
+            self._over_budget_error = output
         return output
 
     def add(self, msg_type: str, content: dict) -> dict | None:
@@ -213,6 +226,7 @@ class CellRun:
             return self._error(content)
         if msg_type == "clear_output":
             self.outputs.clear()
+            self._over_budget_error = None
             self.kept = 0  # the budget bounds what is held, and nothing is now
         if msg_type == "execute_input":
             count = content.get("execution_count")
@@ -415,6 +429,34 @@ def _artifact_refusal(path: Any, agent_root: str | None, session_dir: str | None
     return None
 
 
+IOPUB_QUEUE = 16  # messages ZMQ holds for us before the kernel's side drops them
+IOPUB_MAX_FRAME = 4 << 20  # a larger frame disconnects the kernel's iopub until it reconnects
+
+
+def bound_iopub(kc: Any) -> None:
+    """Make ``kc``'s iopub socket (not yet connected) hold little of what a kernel floods it with.
+
+    ZMQ reads ahead into its own queue, in the gateway's memory, however
+    slowly the gateway takes messages from it: 1,000 raw messages of 400 KB
+    each would sit there whole.  A short receive queue and a frame size cap
+    bound that; what a kernel sends past them is its own loss.
+    """
+    import zmq
+
+    def connect_iopub(identity: bytes | None = None) -> Any:
+        context = kc.context
+        saved = dict(context.sockopts)
+        context.setsockopt(zmq.RCVHWM, IOPUB_QUEUE)
+        context.setsockopt(zmq.MAXMSGSIZE, IOPUB_MAX_FRAME)
+        try:
+            return type(kc).connect_iopub(kc, identity)
+        finally:
+            context.sockopts.clear()
+            context.sockopts.update(saved)
+
+    kc.connect_iopub = connect_iopub
+
+
 async def _next_iopub(kc: Any, timeout: float) -> dict | None:
     try:
         return await kc.get_iopub_msg(timeout=timeout)
@@ -457,7 +499,7 @@ async def run_cell(
         # The client went away: stop the cell rather than let it run on unseen.
         await interrupt()
         raise
-    reply = await _shell_reply(kc, msg_id, 1.0 if run.status == "timeout" else 5.0)
+    reply = run.reply or await _shell_reply(kc, msg_id, 1.0 if run.status == "timeout" else 5.0)
     content = reply.get("content") if reply is not None else None
     if isinstance(content, dict):
         count = content.get("execution_count")
@@ -497,6 +539,11 @@ async def _gather(
         wait = POLL_SECONDS if deadline is None else max(0.01, min(POLL_SECONDS, deadline - now))
         msg = await _next_iopub(kc, wait)
         if msg is None:
+            # A kernel that floods its iopub socket past ZMQ's high-water mark loses
+            # messages, its final "idle" among them: the reply on shell says it is done.
+            run.reply = await _shell_reply(kc, msg_id, 0.001)
+            if run.reply is not None:
+                return
             if not await is_alive():
                 code_, sig = exit_status()
                 raise KernelDied(code_, sig)

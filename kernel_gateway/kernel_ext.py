@@ -465,6 +465,9 @@ class CellBudget:
         with self._lock:
             self.used = 0
 
+    def full(self) -> bool:
+        return self.used >= self.limit
+
     def take(self, output: dict[str, Any]) -> bool:
         """True if ``output`` fits and may be sent; else it is written to the cell's file."""
         line = json.dumps(output, default=repr).encode("utf-8", "replace") + b"\n"
@@ -623,6 +626,9 @@ class OutputBounds:
 
     def publish(self, data: dict[str, Any], metadata: dict | None = None, *args: Any, **kwargs: Any) -> None:
         try:
+            if self.budget.full():  # straight to the cell's outputs file: no artifact or spill files each
+                self.budget.take({"output_type": "display_data", "data": data, "metadata": metadata or {}})
+                return None
             data = self.results.bound(data)
             output = {"output_type": "display_data", "data": data, "metadata": metadata or {}}
             if not self.budget.take(output):

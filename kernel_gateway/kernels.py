@@ -20,6 +20,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from traitlets.config import Config
 
+from .execution import bound_iopub
 from .provisioner import kernelspec_dict
 from .sandbox.launch import exit_status
 
@@ -126,6 +127,7 @@ class Kernel:
         try:
             await km.start_kernel(cwd=cwd, stdout=log, stderr=log)
             kc = km.client()
+            bound_iopub(kc)  # a flooding kernel must not fill the gateway's memory through ZMQ's queue
             kc.start_channels()
             try:
                 await kc.wait_for_ready(timeout=options.startup_timeout)

@@ -32,7 +32,7 @@ class Gateway(Configurable):
     )
     output_limit = Int(65536, config=True, help="Bytes of each stream or result kept (head and tail).")
     cell_output_limit = Int(
-        512 << 10, config=True,
+        384 << 10, config=True,
         help="Bytes of output kept per cell, every stream and result together; the rest is spilled to files.",
     )
     max_connections_per_agent_socket = Int(

@@ -153,7 +153,12 @@ class StreamingHandler(BaseHandler):
 
         self._task = asyncio.ensure_future(work(on_output))
         if not stream:
-            result = await self._task
+            try:
+                result = await self._task
+            except asyncio.CancelledError:
+                if self.request.connection.stream.closed():
+                    return  # the client left and its work was stopped: nobody to answer
+                raise
             self.send_json(result, self.status_for(result))
             return
         while True:
@@ -165,6 +170,10 @@ class StreamingHandler(BaseHandler):
             result = self._task.result()
         except GatewayError as e:
             result = e.to_json()
+        except asyncio.CancelledError:
+            if self.request.connection.stream.closed():
+                return
+            raise
         await self.write_line({"event": "result", **result})
         self.finish()
 
