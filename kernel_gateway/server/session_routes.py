@@ -134,7 +134,7 @@ class StreamingHandler(BaseHandler):
         return float(timeout)
 
     async def write_line(self, obj: dict) -> None:
-        line = json.dumps(obj) + "\n"
+        line = self.scrub(json.dumps(obj)) + "\n"
         self._bytes_out += len(line)
         self.write(line)
         try:
