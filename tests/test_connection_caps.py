@@ -130,3 +130,49 @@ def test_requests_in_flight_on_an_agent_socket_are_capped(gw):
     sender.join(120)
     sleeper.join(60)
     assert json.loads(result["body"]["text"]) == ["200"] * 16 + ["429"] * 4
+
+
+def test_running_out_of_descriptors_does_not_spin_or_flood_the_log(tmp_path):
+    """The control socket has no cap: flooding it past the descriptor limit hits EMFILE itself."""
+    import socket
+    import subprocess
+    import time
+
+    import support
+
+    gw = GatewayProcess(tmp_path)
+    original = subprocess.Popen
+
+    def limited(cmd, **kwargs):  # the gateway under a low descriptor limit, soft and hard
+        return original(["prlimit", "--nofile=200:200", *cmd], **kwargs)
+
+    support.subprocess.Popen = limited
+    try:
+        gw.start()
+    finally:
+        support.subprocess.Popen = original
+    try:
+        held = []
+        deadline = time.monotonic() + 120
+        while len(held) < 400:  # past the 200 descriptors, and past the listen backlog
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            try:
+                s.connect(gw.socket)
+            except BlockingIOError:  # the backlog is full until the gateway sheds a connection
+                s.close()
+                assert time.monotonic() < deadline, f"the gateway stopped taking connections at {len(held)}"
+                time.sleep(0.02)
+                continue
+            held.append(s)
+        log_before = os.path.getsize(gw.log)
+        time.sleep(3)  # the flood held: a spinning accept loop would log all along
+        assert os.path.getsize(gw.log) - log_before < 5_000
+        for s in held:
+            s.close()
+        assert wait_until(lambda: gw.client.call("GET", "/v1/info", timeout=5)[0] == 200, timeout=30)
+        with open(gw.log, errors="replace") as f:
+            text = f.read()
+        assert "Traceback" not in text and "out of file descriptors" in text
+    finally:
+        gw.stop()
