@@ -145,3 +145,30 @@ def test_notebooks_and_patches_the_gateway_writes_belong_to_the_agent(tree):
     assert apply_patch.apply_patch(patch, str(tree), root=str(tree)).ok
     for path in ("user-files", "user-files/deep", "user-files/deep/n.ipynb", "user-files/new/p.txt"):
         assert os.stat(tree / path).st_uid == AGENT_UID, path
+
+
+def test_a_fifo_or_a_socket_named_like_a_notebook_is_refused_at_once(tree):
+    import socket
+
+    from kernel_gateway.errors import GatewayError
+    from kernel_gateway.notebooks import NotebookStore
+
+    os.mkfifo(tree / "f.ipynb")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tree / "s.ipynb"))
+    store = NotebookStore(tree)
+    try:
+        for name in ("f.ipynb", "s.ipynb"):
+            for call in (lambda: store.contents(name), lambda: store.put(name, {"cells": []})):
+                with pytest.raises(GatewayError) as caught:
+                    call()
+                assert (caught.value.status, caught.value.code) == (415, "not_a_notebook"), name
+    finally:
+        listener.close()
+    assert stat_kind(tree / "f.ipynb") == "fifo"
+
+
+def stat_kind(path) -> str:
+    import stat
+
+    return "fifo" if stat.S_ISFIFO(os.lstat(path).st_mode) else "other"

@@ -98,7 +98,7 @@ def check_path_text(path) -> None:
         raw = path
     elif isinstance(path, str):
         try:
-            raw = path.encode("utf-8")
+            raw = os.fsencode(path)  # names read from disk carry their non-UTF-8 bytes as surrogates
         except UnicodeEncodeError:
             raise InvalidPath(path.encode("utf-8", "backslashreplace").decode(), "it is not valid UTF-8 text") from None
     else:
