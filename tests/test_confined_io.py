@@ -62,7 +62,7 @@ def test_a_fifo_does_not_block_a_reader_thread(tree):
     os.mkfifo(fifo)
     errors = []
     reader = threading.Thread(target=lambda: errors.append(pytest.raises(wp.NotRegularFile, wp.read_regular_in_root,
-                                                                         tree, fifo, 10)))
+                                                                         tree, fifo, 10)), daemon=True)
     reader.start()
     reader.join(10)
     assert not reader.is_alive() and errors
@@ -172,3 +172,19 @@ def stat_kind(path) -> str:
     import stat
 
     return "fifo" if stat.S_ISFIFO(os.lstat(path).st_mode) else "other"
+
+
+def test_a_patch_naming_a_fifo_fails_at_once_and_writes_nothing(tree):
+    from kernel_gateway.tools import apply_patch
+
+    os.mkfifo(tree / "pipe")
+    update = "*** Begin Patch\n*** Update File: pipe\n@@\n-a\n+b\n*** End Patch\n"
+    add = "*** Begin Patch\n*** Add File: pipe\n+b\n*** End Patch\n"
+    for patch in (update, add):
+        done = []
+        worker = threading.Thread(target=lambda: done.append(apply_patch.apply_patch(patch, str(tree), root=str(tree))), daemon=True)
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "apply_patch blocked on a FIFO"
+        assert done[0].ok is False
+    assert stat_kind(tree / "pipe") == "fifo"
