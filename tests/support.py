@@ -109,3 +109,27 @@ def wait_until(predicate, timeout: float = 30, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def with_agents(gateway: GatewayProcess, *agents: str) -> GatewayProcess:
+    """The gateway, started, with each agent created."""
+    gateway.start()
+    for agent in agents:
+        assert gateway.client.call("PUT", f"/v1/agents/{agent}")[0] in (200, 201)
+    return gateway
+
+
+def execute_ok(gw: GatewayProcess, code: str, agent: str = "alice", session: str = "s1", **extra) -> dict:
+    """The result of an execute that the gateway answered with 200."""
+    status, body = gw.client.execute(agent, session, code, **extra)
+    assert status == 200, body
+    return body
+
+
+# Defines raw(msg_type, content) in a kernel: one iopub message sent as the kernel's own
+# session, past the output-bounding extension, the way a hostile kernel can.
+RAW_IOPUB = """
+def raw(msg_type, content):
+    k = get_ipython().kernel
+    k.session.send(k.iopub_socket, msg_type, content, parent=k.get_parent("shell"), ident=b"raw")
+"""

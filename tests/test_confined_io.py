@@ -182,7 +182,9 @@ def test_a_patch_naming_a_fifo_fails_at_once_and_writes_nothing(tree):
     add = "*** Begin Patch\n*** Add File: pipe\n+b\n*** End Patch\n"
     for patch in (update, add):
         done = []
-        worker = threading.Thread(target=lambda: done.append(apply_patch.apply_patch(patch, str(tree), root=str(tree))), daemon=True)
+        worker = threading.Thread(
+            target=lambda: done.append(apply_patch.apply_patch(patch, str(tree), root=str(tree))), daemon=True
+        )
         worker.start()
         worker.join(30)
         assert not worker.is_alive(), "apply_patch blocked on a FIFO"

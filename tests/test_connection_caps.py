@@ -13,23 +13,20 @@ import threading
 
 import pytest
 
-from support import GatewayProcess, wait_until
+from support import GatewayProcess, execute_ok, wait_until, with_agents
 
 FLOOD = 3000  # connections held open by the flooding kernel
 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
-    gateway = GatewayProcess(tmp_path_factory.mktemp("caps")).start()
-    for agent in ("alice", "bob"):
-        assert gateway.client.call("PUT", f"/v1/agents/{agent}")[0] in (200, 201)
+    gateway = with_agents(GatewayProcess(tmp_path_factory.mktemp("caps")), "alice", "bob")
     yield gateway
     gateway.stop()
 
 
 def run(gw, code, agent="alice", session="s1", **extra):
-    status, body = gw.client.execute(agent, session, code, **extra)
-    assert status == 200, body
+    body = execute_ok(gw, code, agent, session, **extra)
     assert body["status"] == "ok", body["text"]
     return body
 

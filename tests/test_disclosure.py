@@ -10,14 +10,12 @@ import json
 
 import pytest
 
-from support import GatewayProcess
+from support import GatewayProcess, with_agents
 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
-    gateway = GatewayProcess(tmp_path_factory.mktemp("disclosure")).start()
-    for agent in ("alice", "bob"):
-        assert gateway.client.call("PUT", f"/v1/agents/{agent}")[0] in (200, 201)
+    gateway = with_agents(GatewayProcess(tmp_path_factory.mktemp("disclosure")), "alice", "bob")
     yield gateway
     gateway.stop()
 

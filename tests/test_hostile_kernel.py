@@ -15,17 +15,12 @@ import threading
 
 import pytest
 
-from support import GatewayProcess
+from support import RAW_IOPUB as RAW
+from support import GatewayProcess, execute_ok as run, with_agents
 
 ARTIFACT = "application/vnd.kernel-gateway.artifact+json"
 SECRET = "kg-test-gateway-secret-5d1f"
 
-# Sends one raw iopub message as the kernel's own session, bypassing the output extension.
-RAW = """
-def raw(msg_type, content):
-    k = get_ipython().kernel
-    k.session.send(k.iopub_socket, msg_type, content, parent=k.get_parent("shell"), ident=b"raw")
-"""
 
 
 @pytest.fixture(scope="module")
@@ -33,25 +28,17 @@ def gw(tmp_path_factory):
     old = os.environ.get("KG_TEST_SECRET")
     os.environ["KG_TEST_SECRET"] = SECRET  # in the gateway's own /proc/self/environ
     try:
-        gateway = GatewayProcess(tmp_path_factory.mktemp("hostile")).start()
+        gateway = with_agents(GatewayProcess(tmp_path_factory.mktemp("hostile")), "alice", "bob", "mallory")
     finally:
         if old is None:
             os.environ.pop("KG_TEST_SECRET")
         else:
             os.environ["KG_TEST_SECRET"] = old
-    for agent in ("alice", "bob", "mallory"):
-        assert gateway.client.call("PUT", f"/v1/agents/{agent}")[0] in (200, 201)
     os.makedirs(os.path.join(gateway.root, "bob", "user-files"), exist_ok=True)
     with open(os.path.join(gateway.root, "bob", "user-files", "secret.txt"), "w") as f:
         f.write("bob-secret-9a7c")
     yield gateway
     gateway.stop()
-
-
-def run(gw, code, agent="alice", session="s1", **extra):
-    status, body = gw.client.execute(agent, session, code, **extra)
-    assert status == 200, body
-    return body
 
 
 def tree_listing(path: str) -> list:

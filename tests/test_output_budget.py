@@ -12,19 +12,14 @@ import os
 
 import pytest
 
-from support import GatewayProcess
+from support import RAW_IOPUB as RAW
+from support import GatewayProcess, with_agents
 
-RAW = """
-def raw(msg_type, content):
-    k = get_ipython().kernel
-    k.session.send(k.iopub_socket, msg_type, content, parent=k.get_parent("shell"), ident=b"raw")
-"""
 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
-    gateway = GatewayProcess(tmp_path_factory.mktemp("budget")).start()
-    assert gateway.client.call("PUT", "/v1/agents/alice")[0] in (200, 201)
+    gateway = with_agents(GatewayProcess(tmp_path_factory.mktemp("budget")), "alice")
     yield gateway
     gateway.stop()
 

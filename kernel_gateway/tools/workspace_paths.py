@@ -516,6 +516,18 @@ def agent_owner(root) -> tuple[int, int]:
     return st.st_uid, st.st_gid
 
 
+def read_at_most(fd: int, cap: int) -> bytes:
+    """Up to cap + 1 bytes: one more than allowed tells that the file is too large."""
+    chunks, wanted = [], cap + 1
+    while wanted > 0:
+        chunk = os.read(fd, min(wanted, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        wanted -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_regular_in_root(root, path, max_bytes: int, cwd=None, follow_final: bool = False) -> bytes:
     """The bytes of the regular file `path` beneath `root`, at most `max_bytes`.
 
@@ -546,16 +558,9 @@ def read_regular_in_root(root, path, max_bytes: int, cwd=None, follow_final: boo
     finally:
         os.close(fd)
     try:
-        chunks, wanted = [], max_bytes + 1
-        while wanted > 0:
-            chunk = os.read(reading, min(wanted, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            wanted -= len(chunk)
+        data = read_at_most(reading, max_bytes)
     finally:
         os.close(reading)
-    data = b"".join(chunks)
     if len(data) > max_bytes:  # it grew since the fstat
         raise FileTooLarge(path, len(data), max_bytes)
     return data
