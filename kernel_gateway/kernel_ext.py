@@ -37,8 +37,9 @@ ipykernel then raises ``StdinNotImplementedError`` at once.
 
 Configuration, from the environment the gateway gives the kernel:
 ``KERNEL_GATEWAY_OUTPUT_LIMIT`` (bytes kept per stream or result per cell,
-head + tail; default 65536) and ``KERNEL_GATEWAY_OUTPUT_DIR`` (default
-``<cwd>/outputs``).
+head + tail; default 65536), ``KERNEL_GATEWAY_CELL_OUTPUT_LIMIT`` (bytes sent
+per cell in all; default four times that) and ``KERNEL_GATEWAY_OUTPUT_DIR``
+(default ``<cwd>/outputs``).
 
 A failure in here must never break the kernel or reach user code: every hook
 catches its errors, reports them once on the kernel's own stderr, and lets the
