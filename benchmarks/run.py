@@ -490,6 +490,96 @@ def measure_memory(base: str, idle: int, results: dict) -> None:
         gw.stop()
 
 
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+FLOOD_CODE = r"""
+import os, resource, socket
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+FLOOD = []
+for _ in range({n}):
+    s = socket.socket(socket.AF_UNIX); s.connect(os.environ["KERNEL_GATEWAY_SOCKET"]); FLOOD.append(s)
+"""
+
+FIFO_CODE = r"""
+import os
+from IPython.display import publish_display_data
+out = os.path.join(os.environ["HOME"], "outputs"); os.makedirs(out, exist_ok=True)
+fifo = os.path.join(out, "pipe.png")
+if not os.path.exists(fifo): os.mkfifo(fifo)
+for _ in range(20):
+    publish_display_data({"application/vnd.kernel-gateway.artifact+json": {"mime": "image/png", "path": fifo}})
+"""
+
+
+def measure_starvation(base: str, n: int, results: dict) -> None:
+    """Another agent's execute and the control socket while one agent floods its socket or names FIFOs."""
+    log(f"starvation: victim execute round trip idle, while a kernel holds 3000 connections, and among FIFO artifacts")
+    gw = Gateway(base, "starve")
+    try:
+        for agent in ("victim", "flood"):
+            gw.agent(agent)
+            gw.session(agent, "s")
+
+        def rtts(agent: str = "victim") -> list[float]:
+            samples = []
+            for _ in range(n):
+                started = time.perf_counter()
+                gw.execute(agent, "s", "x = 1")
+                samples.append(time.perf_counter() - started)
+            return samples
+
+        def info_rtts() -> list[float]:
+            samples = []
+            for _ in range(n):
+                started = time.perf_counter()
+                gw.client.ok("GET", "/v1/info")
+                samples.append(time.perf_counter() - started)
+            return samples
+
+        idle = rtts()
+        gw.execute("flood", "s", FLOOD_CODE.format(n=3000))
+        log_before, cpu_before, wall_before = os.path.getsize(gw.log_path), cpu_seconds(gw.pid), time.monotonic()
+        flooded, info = rtts(), info_rtts()
+        cpu_pct = 100 * (cpu_seconds(gw.pid) - cpu_before) / (time.monotonic() - wall_before)
+        log_bytes = os.path.getsize(gw.log_path) - log_before
+        gw.execute("flood", "s", "for s in FLOOD: s.close()")
+        stop = threading.Event()
+        flooder = Client(gw.socket)
+
+        def fifo_loop() -> None:
+            while not stop.is_set():
+                flooder.ok("POST", "/v1/agents/flood/sessions/s/execute", {"code": FIFO_CODE, "inline_images": True})
+
+        worker = threading.Thread(target=fifo_loop)
+        worker.start()
+        try:
+            fifo = rtts()
+        finally:
+            stop.set()
+            worker.join(120)
+            flooder.close()
+        before = vm_rss_kb(gw.pid)
+        rich = gw.client.ok("POST", "/v1/agents/victim/sessions/s/execute", {
+            "code": "from IPython.display import display\nfor i in range(1000): display({'text/plain': 'x' * 40000}, raw=True)"})
+        results["starvation"] = {
+            "victim_execute_rtt_idle_p50_ms": ms(percentile(idle, 50)),
+            "victim_execute_rtt_socket_flooded_p50_ms": ms(percentile(flooded, 50)),
+            "control_info_rtt_socket_flooded_p50_ms": ms(percentile(info, 50)),
+            "gateway_cpu_percent_socket_flooded": round(cpu_pct, 1),
+            "gateway_log_bytes_socket_flooded": log_bytes,
+            "victim_execute_rtt_fifo_artifacts_p50_ms": ms(percentile(fifo, 50)),
+            "rich_1000x40kb_response_bytes": len(json.dumps(rich)),
+            "rich_1000x40kb_gateway_growth_mb": round((vm_rss_kb(gw.pid) - before) / 1024, 1),
+            "n": n,
+        }
+    finally:
+        gw.stop()
+
+
 def targets(r: dict) -> dict:
     def target(value: float, op: str, limit: float, text: str) -> dict:
         met = value <= limit if op == "<=" else value < limit
@@ -533,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             gw.stop()
         measure_memory(base, 20, results)
+        measure_starvation(base, 20 if quick else 50, results)
     except BaseException:
         # What the gateways said is the first thing needed to understand a failed run.
         for name in sorted(os.listdir(base)):

@@ -16,6 +16,7 @@ The HTTP handlers, and later the Jupyter API and jobs, call these.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -112,23 +113,20 @@ class Core:
     async def apply_patch(self, agent: str, patch: str, cwd: str = ".") -> dict:
         """Apply a Codex-grammar patch in the agent's tree (``cwd`` relative to its root)."""
         root = self.agents.agent_root(agent)
-        try:
-            resolved = workspace_paths.resolve_in_root(root, cwd)
-        except workspace_paths.PathOutsideRoot as e:
-            raise GatewayError(403, "outside_workspace", str(e)) from None
-        if not resolved.is_dir():
-            raise bad_request(f"cwd {cwd!r} is not a directory in the agent's tree", code="invalid_cwd")
-        self.refuse_protected(agent, _patch_targets(root, patch, str(resolved)))
+        # Disk work in the agent's tree stays off the event loop.
+        resolved, targets = await asyncio.to_thread(_patch_cwd_and_targets, root, patch, cwd)
+        self.refuse_protected(agent, targets)
         external = self.settings.apply_patch_command
         if not external:
             library = self.library
-            return apply_patch.apply_patch(
-                patch, str(resolved), root=root, refuse=lambda path: library.protected(agent, path) is not None
-            ).__dict__
+            return (await asyncio.to_thread(
+                apply_patch.apply_patch, patch, resolved, root=root,
+                refuse=lambda path: library.protected(agent, path) is not None,
+            )).__dict__
         # The operator's binary, in the command sandbox over the workspace.  The patch goes
         # on stdin: one argv element holds at most 128 KiB (E2BIG), a patch up to max_patch_size.
         ran = await self.run_command(
-            agent, {"argv": [external], "cwd": str(resolved), "stdin": patch}, max_stdin=self.settings.max_patch_size
+            agent, {"argv": [external], "cwd": resolved, "stdin": patch}, max_stdin=self.settings.max_patch_size
         )
         return {
             "ok": ran["exit_code"] == 0,
@@ -157,7 +155,8 @@ class Core:
         if session:
             return session
         session = notebook_session_id(path)
-        folder = workspace_paths.resolve_in_root(self.agents.agent_root(agent), path).parent
+        root = self.agents.agent_root(agent)
+        folder = (await asyncio.to_thread(workspace_paths.resolve_in_root, root, path)).parent
         await self.sessions.get_or_create(agent, session, cwd=str(folder))
         return session
 
@@ -171,6 +170,18 @@ class Core:
     async def close(self) -> None:
         await self.sessions.shutdown_all()
         self.audit.close()
+
+
+def _patch_cwd_and_targets(root: str, patch: str, cwd: str) -> tuple[str, list[str]]:
+    """The patch's working directory, opened beneath the root, and the paths it would write."""
+    try:
+        resolved = workspace_paths.resolve_in_root(root, cwd)
+        os.close(workspace_paths.open_in_root(root, resolved, os.O_PATH | os.O_DIRECTORY))
+    except workspace_paths.PathOutsideRoot as e:
+        raise GatewayError(403, "outside_workspace", str(e)) from None
+    except OSError:
+        raise bad_request(f"cwd {cwd!r} is not a directory in the agent's tree", code="invalid_cwd") from None
+    return str(resolved), _patch_targets(root, patch, str(resolved))
 
 
 def _patch_targets(root: str, patch: str, cwd: str) -> list[str]:

@@ -19,6 +19,12 @@ keeps large payloads from ever crossing ZMQ:
   is cut to head + marker + tail, the full text spilled to
   ``cell-<n>-out-<k>.<ext>``; JSON values and SVG larger than the limit become
   artifacts (cutting them would leave something that no longer parses).
+* The whole cell has a budget too, over every stream and result together
+  (``KERNEL_GATEWAY_CELL_OUTPUT_LIMIT``, default four times the limit): a
+  thousand displays of 40 KB each pass the per-output bound one by one.  Past
+  the budget, results are not sent: each goes as one JSON line into
+  ``cell-<n>-outputs.jsonl`` and, when the cell ends, one marker says how
+  many went there.  ``clear_output`` gives the budget back.
 * Every cut is announced with a display_data whose only data is
   ``application/vnd.kernel-gateway.truncation+json``.
 
@@ -31,8 +37,9 @@ ipykernel then raises ``StdinNotImplementedError`` at once.
 
 Configuration, from the environment the gateway gives the kernel:
 ``KERNEL_GATEWAY_OUTPUT_LIMIT`` (bytes kept per stream or result per cell,
-head + tail; default 65536) and ``KERNEL_GATEWAY_OUTPUT_DIR`` (default
-``<cwd>/outputs``).
+head + tail; default 65536), ``KERNEL_GATEWAY_CELL_OUTPUT_LIMIT`` (bytes sent
+per cell in all; default four times that) and ``KERNEL_GATEWAY_OUTPUT_DIR``
+(default ``<cwd>/outputs``).
 
 A failure in here must never break the kernel or reach user code: every hook
 catches its errors, reports them once on the kernel's own stderr, and lets the
@@ -151,9 +158,9 @@ class OutputFiles:
             self.next_index = 1
             self.directory = output_dir()
 
-    def create_stream_file(self, stream_name: str) -> tuple[str, BinaryIO]:
+    def create_stream_file(self, stream_name: str, ext: str = "txt") -> tuple[str, BinaryIO]:
         stem = f"cell-{self.execution_count}-{stream_name}"
-        _, path, file = self._create(lambda i: f"{stem}.txt" if i == 1 else f"{stem}-{i}.txt", 1)
+        _, path, file = self._create(lambda i: f"{stem}.{ext}" if i == 1 else f"{stem}-{i}.{ext}", 1)
         return path, file
 
     def create_numbered(self, prefix: str, ext: str) -> tuple[str, BinaryIO]:
@@ -417,6 +424,93 @@ class ResultBound:
         return head.decode("utf-8", "replace") + cut_marker(cut_bytes, path) + tail.decode("utf-8", "replace")
 
 
+def cell_output_limit(environ: dict[str, str], limit: int) -> int:
+    """``KERNEL_GATEWAY_CELL_OUTPUT_LIMIT`` as an int >= 2; four times ``limit`` if unset or bad."""
+    raw = environ.get("KERNEL_GATEWAY_CELL_OUTPUT_LIMIT", "")
+    if raw.strip().isdigit() and int(raw) >= 2:
+        return int(raw)
+    if raw:
+        _log(f"KERNEL_GATEWAY_CELL_OUTPUT_LIMIT={raw!r} is not an integer >= 2; using {4 * limit}")
+    return 4 * limit
+
+
+class CellBudget:
+    """Bytes of output one cell may send, every kind together; past it results go to a file."""
+
+    def __init__(self, limit: int, files: OutputFiles):
+        self.limit = limit
+        self.files = files
+        self._lock = threading.Lock()
+        self.start_cell()
+
+    def start_cell(self) -> None:
+        self.used = 0
+        self.over_count = 0
+        self.over_bytes = 0
+        self.spill: BinaryIO | None = None
+        self.spill_path: str | None = None
+        self.spill_failed = False
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self.spill = None  # the parent's file; a child's results over budget are dropped
+        self.spill_failed = True
+
+    def count(self, size: int) -> None:
+        """Output that goes out whatever happens (streams, already bounded on their own)."""
+        with self._lock:
+            self.used += size
+
+    def give_back(self) -> None:
+        """``clear_output``: what was sent is gone from the client's view."""
+        with self._lock:
+            self.used = 0
+
+    def full(self) -> bool:
+        return self.used >= self.limit
+
+    def take(self, output: dict[str, Any]) -> bool:
+        """True if ``output`` fits and may be sent; else it is written to the cell's file."""
+        line = json.dumps(output, default=repr).encode("utf-8", "replace") + b"\n"
+        with self._lock:
+            if self.used + len(line) <= self.limit:
+                self.used += len(line)
+                return True
+            self.over_count += 1
+            self.over_bytes += len(line)
+            if self.spill is None and not self.spill_failed:
+                try:
+                    self.spill_path, self.spill = self.files.create_stream_file("outputs", "jsonl")
+                except OSError:
+                    _report_failure("creating the cell's output file")
+                    self.spill_failed = True
+            if self.spill is not None:
+                try:
+                    self.spill.write(line)
+                except OSError:  # disk full: the marker must not promise the file
+                    _report_failure(f"writing {self.spill_path}")
+                    self.spill.close()
+                    self.spill, self.spill_failed = None, True
+            return False
+
+    def finish(self) -> dict[str, Any] | None:
+        """Close the cell's file; the marker's mime bundle and cut note if anything went over."""
+        with self._lock:
+            if self.spill is not None:
+                self.spill.close()
+            if not self.over_count:
+                return None
+            path = None if self.spill_failed else self.spill_path
+            where = f"saved to {path}" if path else "not saved"
+            text = (
+                f"[... {self.over_count} outputs ({self.over_bytes} bytes) past this cell's output budget of "
+                f"{self.limit} bytes: {where} ...]"
+            )
+            note = {"kind": "cell", "name": "outputs", "cut_bytes": self.over_bytes,
+                    "total_bytes": self.used + self.over_bytes, "path": path}
+            return {"text": text, "note": note}
+
+
 def _is_binary(mime: str) -> bool:
     return mime in BINARY_MIMES or (mime.startswith("image/") and mime != SVG_MIME)
 
@@ -437,17 +531,22 @@ class OutputBounds:
         self.original_publish = self.display_pub.publish
         self.original_write_format_data = self.displayhook.write_format_data
         self.results = ResultBound(limit, self.files, self.announce)
+        self.budget = CellBudget(cell_output_limit(os.environ, limit), self.files)
+        self.original_clear_output = self.display_pub.clear_output
         self.streams = [
             StreamBound(stream, limit, self.files, self.announce)
             for stream in (sys.stdout, sys.stderr)
             if hasattr(stream, "session") and hasattr(stream, "name")  # ipykernel OutStreams only
         ]
+        for bound in self.streams:
+            bound.downstream = self._counted(bound.downstream)
         self.depth = 0  # run_cell can be nested from user code; only the outer one is the cell
 
     def install(self) -> None:
         for bound in self.streams:
             bound.stream.write = bound.write
         self.display_pub.publish = self.publish
+        self.display_pub.clear_output = self.clear_output
         self.displayhook.write_format_data = self.write_format_data
         self.shell.events.register("pre_execute", self.pre_execute)
         self.shell.events.register("post_execute", self.post_execute)
@@ -455,6 +554,7 @@ class OutputBounds:
 
     def after_fork_in_child(self) -> None:
         self.files.after_fork_in_child()
+        self.budget.after_fork_in_child()
         for bound in self.streams:
             bound.after_fork_in_child()
 
@@ -472,6 +572,7 @@ class OutputBounds:
             # ipykernel reports execution_count - 1 in the reply, whether or
             # not the cell is stored in history; name the files alike.
             self.files.start_cell(self.shell.execution_count - 1)
+            self.budget.start_cell()
         except Exception:
             _report_failure("pre_execute")
 
@@ -485,6 +586,32 @@ class OutputBounds:
             except Exception:
                 _report_failure("waiting for fd output")
             bound.finish()
+        try:
+            over = self.budget.finish()
+            if over is not None:
+                self.original_publish(data={"text/plain": over["text"]}, metadata={})
+                self.announce(over["note"])
+        except Exception:
+            _report_failure("finishing the cell's output budget")
+
+    def _counted(self, downstream: Callable[[str], Any]) -> Callable[[str], Any]:
+        """Stream output sent counts against the cell's budget (it is bounded on its own)."""
+
+        def write(text: str) -> Any:
+            try:
+                self.budget.count(len(text))
+            except Exception:
+                _report_failure("counting stream output")
+            return downstream(text)
+
+        return write
+
+    def clear_output(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self.budget.give_back()
+        except Exception:
+            _report_failure("clear_output")
+        return self.original_clear_output(*args, **kwargs)
 
     @staticmethod
     def _skip_history_tee(bound: StreamBound) -> None:
@@ -500,7 +627,13 @@ class OutputBounds:
 
     def publish(self, data: dict[str, Any], metadata: dict | None = None, *args: Any, **kwargs: Any) -> None:
         try:
+            if self.budget.full():  # straight to the cell's outputs file: no artifact or spill files each
+                self.budget.take({"output_type": "display_data", "data": data, "metadata": metadata or {}})
+                return None
             data = self.results.bound(data)
+            output = {"output_type": "display_data", "data": data, "metadata": metadata or {}}
+            if not self.budget.take(output):
+                return None  # in the cell's outputs file; the marker comes at the cell's end
         except Exception:
             _report_failure("bounding display_data")
         return self.original_publish(data, metadata, *args, **kwargs)
@@ -508,6 +641,9 @@ class OutputBounds:
     def write_format_data(self, format_dict: dict[str, Any], md_dict: dict | None = None) -> None:
         try:
             bounded = self.results.bound(format_dict)
+            output = {"output_type": "execute_result", "data": bounded, "metadata": md_dict or {}}
+            if not self.budget.take(output):
+                bounded = {"text/plain": "[... this result is past the cell's output budget: see the marker below ...]"}
             # In place: IPython logs this same dict into its output history.
             format_dict.clear()
             format_dict.update(bounded)

@@ -69,6 +69,7 @@ class KernelPool:
             runtime_root=self.runtime_root,
             cgroup_prefix=self.cgroup_prefix,
             read_only=tuple(self.library.read_only_binds(agent)),
+            cell_output_limit=s.cell_output_limit,
         )
 
     def sweep_leftovers(self) -> None:

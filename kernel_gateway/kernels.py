@@ -28,6 +28,7 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.session import Session
 from traitlets.config import Config
 
+from .execution import bound_iopub
 from .provisioner import kernelspec_dict
 from .sandbox.launch import exit_status
 
@@ -81,6 +82,8 @@ class KernelOptions:
     runtime_root: str
     cgroup_prefix: str
     read_only: tuple = ()  # more read-only binds (the Agent Library's), after the profile's
+    # The kernel side spills at half the gateway's per-cell budget, so its own marker still fits.
+    cell_output_limit: int = 0
 
 
 class Kernel:
@@ -142,6 +145,8 @@ class Kernel:
             "KERNEL_GATEWAY_OUTPUT_DIR": os.path.join(session_dir, "outputs"),
             "HOME": session_dir,
             "JLK_SESSION": session,
+            **({"KERNEL_GATEWAY_CELL_OUTPUT_LIMIT": str(options.cell_output_limit // 2)}
+               if options.cell_output_limit else {}),
         }
         km = AsyncKernelManager(
             kernel_name=KERNEL_NAME,
@@ -153,6 +158,7 @@ class Kernel:
         try:
             await km.start_kernel(cwd=cwd, stdout=kernel_log, stderr=kernel_log)
             kc = km.client()
+            bound_iopub(kc)  # a flooding kernel must not fill the gateway's memory through ZMQ's queue
             kc.start_channels()
             kernel = cls(km, kc, kernel_log, agent=agent)
             # Watching starts before the kernel answers, so its first statuses are seen.

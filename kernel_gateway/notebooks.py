@@ -24,7 +24,6 @@ Every failure raises :class:`GatewayError` and leaves the file as it was.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
 import hashlib
@@ -41,9 +40,19 @@ import nbformat
 from nbformat.v4.rwbase import rejoin_lines
 
 from kernel_gateway.errors import GatewayError, bad_request, conflict, not_found
-from kernel_gateway.tools.workspace_paths import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
+from kernel_gateway.tools.workspace_paths import (
+    FileTooLarge,
+    PathOutsideRoot,
+    agent_owner,
+    mkdirs_in_root,
+    open_in_root,
+    resolve_in_root,
+    write_atomically_at,
+)
 
 CELL_TYPES = ("code", "markdown", "raw")
+# Larger files are refused before they are read: the gateway holds a notebook in memory.
+MAX_NOTEBOOK_BYTES = 100 << 20
 NOTEBOOK_SUFFIX = ".ipynb"
 
 # The keys nbformat's schema allows on each stored output; anything else a
@@ -335,7 +344,8 @@ class NotebookStore:
             if create_parents:
                 mkdirs_in_root(self.agent_root, target.parent)
             flags = os.O_PATH | os.O_DIRECTORY
-            return _NotebookFile(target, open_in_root(self.agent_root, target.parent, flags))
+            directory = open_in_root(self.agent_root, target.parent, flags)
+            return _NotebookFile(target, directory, agent_owner(self.agent_root))
         except PathOutsideRoot:
             raise GatewayError(
                 403,
@@ -347,6 +357,8 @@ class NotebookStore:
             raise not_found(f"no notebook at {path}", "create it with PUT", code="notebook_not_found") from None
         except ValueError as error:
             raise bad_request(f"invalid path {path!r}: {error}", code="invalid_path") from None
+        except OSError as error:
+            raise bad_request(f"invalid path {path!r}: {error.strerror}", code="invalid_path") from None
 
     def _read(self, path: str, file: "_NotebookFile") -> bytes | None:
         """The notebook file's bytes, or None if there is no such file yet."""
@@ -354,10 +366,17 @@ class NotebookStore:
             return file.read()
         except IsADirectoryError:
             raise self._not_a_notebook(path, "it is not a regular file") from None
+        except FileTooLarge as error:
+            raise GatewayError(
+                413, "too_large", f"{path} is {error.size} bytes, over the {error.cap}-byte limit for notebooks",
+                "clear its outputs with the command tool (jupyter nbconvert --clear-output)",
+            ) from None
         except OSError as error:
             if error.errno == errno.ELOOP:  # a symlink appeared since the path was resolved
                 raise GatewayError(403, "outside_workspace", f"{path} became a symlink; refused") from None
-            raise
+            if error.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
+                raise self._not_a_notebook(path, "it is not a regular file") from None
+            raise GatewayError(403, "permission_denied", f"cannot open {path}: {error.strerror}") from None
 
     def _existing_bytes(self, path: str, file: "_NotebookFile") -> bytes:
         data = self._read(path, file)
@@ -406,7 +425,7 @@ class NotebookStore:
         for index, cell in enumerate(nb.cells):
             cell.source = _source_text(cell.get("source", ""))
             cell_id = cell.get("id")
-            if not isinstance(cell_id, str) or not _CELL_ID.match(cell_id) or cell_id in used:
+            if not isinstance(cell_id, str) or not _CELL_ID.fullmatch(cell_id) or cell_id in used:
                 cell_id = stable_cell_id(index, cell.source)
                 if cell_id in used:
                     cell_id = f"{cell_id}-{index}"
@@ -451,7 +470,7 @@ class NotebookStore:
             stored.setdefault("execution_count", None)
         if stored.get("id") is None:
             stored.pop("id", None)  # a stable id is given later
-        elif not isinstance(stored["id"], str) or not _CELL_ID.match(stored["id"]):
+        elif not isinstance(stored["id"], str) or not _CELL_ID.fullmatch(stored["id"]):
             raise bad_request(
                 f"cell {position}: id must be 1-64 letters, digits, '-' or '_'", code="invalid_cell_id"
             )
@@ -510,9 +529,10 @@ class _NotebookFile:
     a read or a write outside the agent's tree.
     """
 
-    def __init__(self, target: Path, dir_fd: int):
+    def __init__(self, target: Path, dir_fd: int, owner: tuple[int, int] | None = None):
         self.name = target.name
         self.dir_fd = dir_fd
+        self.owner = owner
         self.lock = _lock_for(target)
 
     def __enter__(self) -> "_NotebookFile":
@@ -522,42 +542,31 @@ class _NotebookFile:
         os.close(self.dir_fd)
 
     def read(self) -> bytes | None:
+        # O_NONBLOCK: a FIFO named like a notebook must not hang the gateway.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
         try:
-            fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+            fd = os.open(self.name, flags, dir_fd=self.dir_fd)
         except FileNotFoundError:
             return None
         with os.fdopen(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise IsADirectoryError(errno.EISDIR, "not a regular file", self.name)
-            return handle.read()
+            if info.st_size > MAX_NOTEBOOK_BYTES:
+                raise FileTooLarge(self.name, info.st_size, MAX_NOTEBOOK_BYTES)
+            data = handle.read(MAX_NOTEBOOK_BYTES + 1)
+            if len(data) > MAX_NOTEBOOK_BYTES:
+                raise FileTooLarge(self.name, len(data), MAX_NOTEBOOK_BYTES)
+            return data
 
     def replace(self, old: bytes | None, new: bytes) -> bool:
         """Write ``new`` to a temporary file, fsync it and rename it over the file.
 
         Returns False, writing nothing, if the file's content is no longer ``old``.
         """
-        temp = f".{self.name}.{uuid.uuid4().hex[:12]}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(temp, flags, 0o666, dir_fd=self.dir_fd)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                if old is not None:  # keep the mode the file had
-                    existing = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
-                    os.fchmod(fd, stat.S_IMODE(existing.st_mode))
-                handle.write(new)
-                handle.flush()
-                os.fsync(fd)
-            if self.read() != old:
-                os.unlink(temp, dir_fd=self.dir_fd)
-                return False
-            os.replace(temp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp, dir_fd=self.dir_fd)
-            raise
-        directory = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.dir_fd)
-        try:
-            os.fsync(directory)  # make the rename itself durable
-        finally:
-            os.close(directory)
-        return True
+        mode = None
+        if old is not None:  # keep the mode the file had
+            mode = stat.S_IMODE(os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False).st_mode)
+        return write_atomically_at(
+            self.dir_fd, self.name, new, owner=self.owner, mode=mode, before_rename=lambda: self.read() == old
+        )

@@ -249,7 +249,7 @@ class Sessions:
             self._check_caps(session.agent)
         previous, session.status = session.status, "starting"
         try:
-            os.makedirs(session.directory, exist_ok=True)
+            await asyncio.to_thread(workspace.make_session_dir, self.settings.root, session.agent, session.id)
             kernel = await self.pool.start(
                 session.agent, cwd=session.cwd, session_dir=session.directory, session=session.id,
                 kernel_id=kernel_id,
@@ -304,7 +304,10 @@ class Sessions:
         # The timeout counts from arrival: time spent queued behind another
         # execution of this session is part of it.
         try:
-            await asyncio.wait_for(session.lock.acquire(), None if deadline is None else deadline - time.monotonic())
+            if session.lock.locked():
+                await asyncio.wait_for(session.lock.acquire(), None if deadline is None else deadline - time.monotonic())
+            else:
+                await session.lock.acquire()  # a free session is taken at once, however short the timeout
         except asyncio.TimeoutError:
             return bare_result(
                 "timeout",
@@ -336,6 +339,9 @@ class Sessions:
                     inline_images=inline_images,
                     on_output=on_output,
                     on_request=sent.append,
+                    cell_limit=self.settings.cell_output_limit,
+                    agent_root=self.agents.agent_root(agent),
+                    session_dir=session.directory,
                 )
             except KernelDied as died:
                 await self._bury(session, died)

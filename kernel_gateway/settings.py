@@ -31,6 +31,19 @@ class Gateway(Configurable):
         help='Per-agent profile overrides: {"alice": {"kernel": "/etc/kg/net-kernel.json"}}.',
     )
     output_limit = Int(65536, config=True, help="Bytes of each stream or result kept (head and tail).")
+    cell_output_limit = Int(
+        384 << 10, config=True,
+        help="Bytes of output kept per cell, every stream and result together; the rest is spilled to files.",
+    )
+    max_connections_per_agent_socket = Int(
+        64, config=True, help="Open connections one agent socket accepts; more are refused with 429."
+    )
+    max_requests_per_agent_socket = Int(16, config=True, help="Requests in flight on one agent socket; more get 429.")
+    fd_reserve = Int(
+        256, config=True,
+        help="File descriptors kept free for the control socket and the gateway's own work; agent sockets refuse "
+        "connections that would eat into them.",
+    )
     max_body_size = Int(16 << 20, config=True, help="Largest request body accepted, in bytes.")
     default_timeout = Float(600.0, config=True, help="Execute timeout when a request gives none, in seconds.")
     max_timeout = Float(24 * 3600.0, config=True, help="Largest timeout a request may ask for.")

@@ -44,7 +44,7 @@ MACHINERY = IPYTHON_NAMES | {
     "_", "__", "___", "_i", "_ii", "_iii", "_ih", "_oh", "_dh", "__builtins__", "__builtin__",
     "__name__", "__doc__", "__package__", "__loader__", "__spec__",
 }
-NUMBERED_HISTORY = re.compile(r"_i?\d+$")
+NUMBERED_HISTORY = re.compile(r"_i?\d+")
 SCALARS = (int, float, complex, bool, type(None))
 CONTAINERS = (list, tuple, dict, set, frozenset)
 CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
@@ -112,7 +112,7 @@ def size_text(size):
 
 
 def visible(name, value, include_private):
-    if name in MACHINERY or NUMBERED_HISTORY.match(name):
+    if name in MACHINERY or NUMBERED_HISTORY.fullmatch(name):
         return False
     if name in HIDDEN and HIDDEN[name] is value:
         return False

@@ -10,6 +10,9 @@
     └── jobs/<job-id>/
 
 The agent sees these paths as they are: there is no path translation.
+Everything below ``<agent-key>/`` is the agent's to change (it can replace
+``sessions`` with a symlink, say), so the gateway creates directories there
+only through :func:`make_dirs_nofollow`, which follows no symlink.
 """
 
 from __future__ import annotations
@@ -18,15 +21,16 @@ import base64
 import os
 import re
 
-from .errors import bad_request
+from .errors import GatewayError, bad_request
+from .tools.workspace_paths import PathOutsideRoot, make_dirs_nofollow, open_in_root
 
-AGENT_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+AGENT_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 DOCUMENTS = ("SOUL.md", "MISSION.md", "DESIGN.md")
 DIRECTORIES = ("user-files", "installed-skills", "sessions", "jobs")
 
 
 def check_agent_key(agent: object) -> str:
-    if not isinstance(agent, str) or not AGENT_KEY.match(agent):
+    if not isinstance(agent, str) or not AGENT_KEY.fullmatch(agent):
         raise bad_request(
             f"invalid agent key {agent!r}",
             "1-64 characters of A-Z a-z 0-9 _ . -, not starting with '.' or '-'",
@@ -65,14 +69,37 @@ def session_dir(root: str, agent: str, session: str) -> str:
 def create_agent_tree(root: str, agent: str) -> bool:
     """Lay out the agent's tree; True if it was new.  Existing files are never touched."""
     top = agent_root(root, agent)
-    created = not os.path.isdir(top)
+    created = not os.path.isdir(top)  # <root>/<agent> itself is the gateway's, not the agent's
     os.makedirs(top, exist_ok=True)
     for name in DIRECTORIES:
-        os.makedirs(os.path.join(top, name), exist_ok=True)
+        make_dirs_in_agent_tree(top, name)
     for name in DOCUMENTS:
         try:
-            # O_EXCL: never overwrite what the agent or an operator wrote.
-            os.close(os.open(os.path.join(top, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            # O_EXCL: never overwrite what the agent or an operator wrote (nor follow a symlink there).
+            os.close(open_in_root(top, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
         except FileExistsError:
             pass
     return created
+
+
+def make_dirs_in_agent_tree(top: str, path: str) -> None:
+    """Create ``path`` (inside the agent root ``top``) following no symlink; a clear 4xx otherwise."""
+    try:
+        make_dirs_nofollow(top, path)
+    except PathOutsideRoot as e:
+        raise GatewayError(
+            409, "symlink_in_workspace",
+            f"cannot create {path!r} in the agent's tree: {e}",
+            "the gateway follows no symlink where it creates directories; make it a real directory",
+        ) from None
+    except (FileExistsError, NotADirectoryError):
+        raise GatewayError(
+            409, "not_a_directory", f"cannot create {path!r} in the agent's tree: a part of it is a file",
+            "remove or rename that file",
+        ) from None
+
+
+def make_session_dir(root: str, agent: str, session: str) -> str:
+    """Create the session's directory, never through a symlink; return its path."""
+    make_dirs_in_agent_tree(agent_root(root, agent), os.path.join("sessions", session_dirname(session)))
+    return session_dir(root, agent, session)

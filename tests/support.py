@@ -189,3 +189,25 @@ def child_sandboxes() -> list[int]:
         if comm == "bwrap" and int(fields[1]) == me and fields[0] != "Z":
             found.append(int(name))
     return found
+def with_agents(gateway: GatewayProcess, *agents: str) -> GatewayProcess:
+    """The gateway, started, with each agent created."""
+    gateway.start()
+    for agent in agents:
+        assert gateway.client.call("PUT", f"/v1/agents/{agent}")[0] in (200, 201)
+    return gateway
+
+
+def execute_ok(gw: GatewayProcess, code: str, agent: str = "alice", session: str = "s1", **extra) -> dict:
+    """The result of an execute that the gateway answered with 200."""
+    status, body = gw.client.execute(agent, session, code, **extra)
+    assert status == 200, body
+    return body
+
+
+# Defines raw(msg_type, content) in a kernel: one iopub message sent as the kernel's own
+# session, past the output-bounding extension, the way a hostile kernel can.
+RAW_IOPUB = """
+def raw(msg_type, content):
+    k = get_ipython().kernel
+    k.session.send(k.iopub_socket, msg_type, content, parent=k.get_parent("shell"), ident=b"raw")
+"""

@@ -27,12 +27,13 @@ from ..codex_runner import check_model_profile
 from ..core import Core
 from ..jobs import JobManager
 from ..settings import Gateway
-from . import job_routes, library_routes, notebook_routes, session_routes, tool_routes
+from . import job_routes, library_routes, notebook_routes, openapi_routes, session_routes, tool_routes
 from .base import NotFoundHandler, log_request, route_label
+from .connections import ConnectionGate
 
 log = logging.getLogger("kernel_gateway")
 
-ROUTE_MODULES = [session_routes, tool_routes, notebook_routes, library_routes, job_routes]
+ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes]
 
 
 def make_app(core: Core, scope: str | None = None) -> web.Application:
@@ -89,7 +90,8 @@ class GatewayServer:
             max_body_size=self.settings.max_body_size + (1 << 20),
             idle_connection_timeout=3600,
         )
-        server.add_sockets([sock])
+        # Our own accept loop: caps per agent socket, and no spinning when descriptors run out.
+        self.gate.listen(sock, server, scope)
         self.servers[scope] = (server, path)
 
     def _agent_created(self, agent: str) -> None:
@@ -128,6 +130,7 @@ class GatewayServer:
         bwrap = find_bwrap(s.bwrap or None)
         self._check_profiles()
         self._prepare_dirs()
+        self.gate = ConnectionGate(s.max_connections_per_agent_socket, s.fd_reserve)
         core = self.core = Core(s)
         core.info = {
             "version": __version__,
@@ -148,6 +151,9 @@ class GatewayServer:
                 "max_sessions_total": s.max_sessions_total,
                 "cull_idle_timeout": s.cull_idle_timeout,
                 "spare_kernels": s.spare_kernels,
+                "cell_output_limit": s.cell_output_limit,
+                "max_requests_per_agent_socket": s.max_requests_per_agent_socket,
+                **self.gate.describe(),
             },
             "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket, "runtime": core.pool.runtime_root},
         }
@@ -183,8 +189,7 @@ class GatewayServer:
         self._stopping = True
         if self._cull_task:
             self._cull_task.cancel()
-        for server, _path in self.servers.values():
-            server.stop()
+        self.gate.close_all()
         if self.core.jobs:
             await self.core.jobs.stop()
         await self.core.close()

@@ -2,8 +2,11 @@
 
 Handlers stay thin: parse, call the core, render.  Whatever goes wrong
 reaches the client as ``{"error": {"code", "message", "hint"}}`` with a
-fitting status, never as a traceback.  On an agent socket every route is
-scoped to that one agent (``me`` is its alias); anything else is 403.
+fitting status, never as a traceback; an unexpected exception (a 500) is a
+bug, logged with its traceback.  On an agent socket every route is scoped to
+that one agent (``me`` is its alias); anything else is 403, and no response
+names a path of the gateway's state directory.  Each agent socket has a cap
+on requests in flight, so one agent cannot tie up the event loop's work.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ request_log = logging.getLogger("kernel_gateway.requests")
 
 KEEPALIVE_SECONDS = 10.0
 NDJSON = "application/x-ndjson"
+
+MAX_JSON_DEPTH = 64  # arrays and objects; deeper bodies are refused, not recursed into
+# Where the agent's own socket sits inside its sandboxes.
+SANDBOX_SOCKET = "/run/kernel-gateway.sock"
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -58,12 +65,36 @@ class BaseHandler(web.RequestHandler):
         self.set_header("Cache-Control", "no-store")
 
     def prepare(self) -> None:
+        if self.scope is not None:
+            self._take_request_slot()
         limit = self.core.settings.max_body_size
         if len(self.request.body or b"") > limit:
             raise GatewayError(
                 413, "body_too_large", f"request body is {len(self.request.body)} bytes; the limit is {limit}",
                 "send less, or raise --Gateway.max_body_size",
             )
+
+    _holds_slot = False
+
+    def _take_request_slot(self) -> None:
+        """Count this request against its agent socket's cap on requests in flight."""
+        in_flight = self.application.settings.setdefault("in_flight", [0])
+        cap = self.core.settings.max_requests_per_agent_socket
+        if in_flight[0] >= cap:
+            raise GatewayError(
+                429, "too_many_requests", f"this agent socket already has {cap} requests in flight",
+                "wait for one to finish; raise --Gateway.max_requests_per_agent_socket",
+            )
+        in_flight[0] += 1
+        self._holds_slot = True
+
+    def _release_request_slot(self) -> None:
+        if self._holds_slot:
+            self._holds_slot = False
+            self.application.settings["in_flight"][0] -= 1
+
+    def on_connection_close(self) -> None:
+        self._release_request_slot()
 
     # --- parsing ----------------------------------------------------------------
 
@@ -91,11 +122,7 @@ class BaseHandler(web.RequestHandler):
 
     def json_body(self, fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
         """The body as a JSON object with only ``fields`` (name -> type or tuple of types)."""
-        raw = self.request.body or b"{}"
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+        body = parse_json(self.request.body or b"{}")
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object", code="malformed_json")
         return check_fields(body, fields, required)
@@ -122,9 +149,23 @@ class BaseHandler(web.RequestHandler):
 
     def send_json(self, obj: Any, status: int = 200) -> None:
         self.set_status(status)
-        text = json.dumps(obj)
+        text = self.scrub(json.dumps(obj))
         self._bytes_out += len(text)
         self.finish(text)
+
+    def scrub(self, text: str) -> str:
+        """On an agent socket, no path of the gateway's state directory goes out.
+
+        Routes say the sandbox's paths themselves; this is the net under them
+        (an error message that quotes a host path, say).
+        """
+        if self.scope is None:
+            return text
+        state = self.core.settings.state_dir
+        for host, shown in ((self.core.agents.agent_socket(self.scope), SANDBOX_SOCKET),
+                            (state, "<gateway state>")):
+            text = text.replace(json.dumps(host)[1:-1], shown)
+        return text
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         error = kwargs.get("exc_info", (None, None, None))[1]
@@ -142,7 +183,7 @@ class BaseHandler(web.RequestHandler):
         else:
             body = {"error": {"code": "internal", "message": "internal error", "hint": "see the gateway's log"}}
         self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(body))
+        self.finish(self.scrub(json.dumps(body)))
 
     def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
         error = kwargs.get("exc_info", (None, None, None))[1]
@@ -152,20 +193,21 @@ class BaseHandler(web.RequestHandler):
         super().send_error(status_code, **kwargs)
 
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
-        if isinstance(value, GatewayError):
-            # Deliberate: a client error, or a failure whose cause the core logged where it caught it.
-            return
-        if disk_full(value):
+        if isinstance(value, GatewayError) and value.status < 500:
+            return  # a client error, already in the response and the audit log
+        if disk_full(value) or (isinstance(value, GatewayError) and value.code == "disk_full"):
             log.warning("%s %s: %s", self.request.method, self.request.path, value)  # a full quota is no bug
             return
         if isinstance(value, web.HTTPError) and value.status_code < 500:
-            return
+            return super().log_exception(typ, value, tb)
+        # Anything else is a bug in the gateway: say where, with the traceback.
         log.error(
             "unexpected error in %s %s (agent %s)", self.request.method, self.route or self.request.path,
             self._agent, exc_info=(typ, value, tb),
         )
 
     def on_finish(self) -> None:
+        self._release_request_slot()
         if self.tool == "api" and self.get_status() < 400 and self.request.method == "GET":
             return  # reads of the API itself are not tool calls
         self.core.audit.record(
@@ -206,6 +248,42 @@ def route_label(pattern: str) -> str:
 
     label = re.sub(r"/([\w-]+)/\([^)]*\)", name, pattern)
     return label.removesuffix("/?").removesuffix("$") or "/"
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """A request body as JSON, refusing what would trip up the code behind it.
+
+    Refused with 400 ``malformed_json``: invalid JSON or UTF-8, ``NaN`` and
+    ``Infinity``, nesting deeper than :data:`MAX_JSON_DEPTH`, and strings
+    (or keys) holding lone surrogates, which no file, kernel or log can take.
+    """
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except RecursionError:
+        raise bad_request(f"the body is nested deeper than {MAX_JSON_DEPTH} levels", code="malformed_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+    todo = [(body, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"the body is nested deeper than {MAX_JSON_DEPTH} levels", code="malformed_json")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for key, item in items:
+                if key is not None:
+                    todo.append((key, depth))
+                todo.append((item, depth + 1))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("the body holds a string with a lone surrogate (\\ud800-\\udfff)",
+                                  "send valid Unicode text", code="malformed_json") from None
+    return body
 
 
 def check_fields(body: dict, fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
@@ -254,7 +332,7 @@ class StreamingHandler(BaseHandler):
         return float(timeout)
 
     async def write_line(self, obj: dict) -> None:
-        line = json.dumps(obj) + "\n"
+        line = self.scrub(json.dumps(obj)) + "\n"
         self._bytes_out += len(line)
         self.write(line)
         try:
@@ -305,6 +383,7 @@ class StreamingHandler(BaseHandler):
         return 200
 
     def on_connection_close(self) -> None:
+        super().on_connection_close()
         # The client left: cancelling interrupts a running cell (see run_cell).
         self._client_left = True
         if self._task is not None and not self._task.done():

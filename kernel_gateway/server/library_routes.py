@@ -21,7 +21,9 @@ def checked_documents(documents: Any) -> dict[str, bytes]:
     if documents is None:
         return {}
     for name, text in documents.items():
-        library.check_document_name(name)
+        if name not in library.DOCUMENTS:  # a bad field of the body, not a missing resource
+            raise bad_request(f"no document {name!r}", f"the documents are {', '.join(library.DOCUMENTS)}",
+                              code="unknown_document")
         library.check_document_text(name, text)
     return documents
 

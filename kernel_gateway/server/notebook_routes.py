@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from .. import notebook_runs, variables
 from ..errors import bad_request
 from ..notebooks import NotebookStore
 from ..tools import workspace_paths
-from .base import BaseHandler, StreamingHandler
+from .base import BaseHandler, StreamingHandler, parse_json
 
 
 class NotebookBase(BaseHandler):
@@ -50,10 +49,7 @@ class NotebookHandler(NotebookBase):
 
     async def put(self, agent: str, path: str) -> None:
         store = self.store(agent)
-        try:
-            notebook = json.loads(self.request.body or b"")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+        notebook = parse_json(self.request.body or b"")
         if not isinstance(notebook, dict):
             raise bad_request("the body must be a notebook (a JSON object)", code="malformed_json")
         result = await self.off_loop(store.put, path, notebook, if_match=self.if_match())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import library_routes
-from .base import BaseHandler, StreamingHandler
+from .base import SANDBOX_SOCKET, BaseHandler, StreamingHandler
 
 
 class InfoHandler(BaseHandler):
@@ -16,6 +16,7 @@ class InfoHandler(BaseHandler):
             info = {k: info[k] for k in ("version", "bwrap", "sandbox", "limits")}
             info["agent"] = self.scope
             info["root"] = self.core.agents.agent_root(self.scope)
+            info["socket"] = SANDBOX_SOCKET
         self.send_json(info)
 
 
@@ -38,18 +39,24 @@ class AgentHandler(BaseHandler):
         created = self.core.agents.ensure_agent(agent)
         for name, text in documents.items():
             self.core.library.put_document(agent, name, text)
-        self.send_json(self.core.sessions.agent_json(agent), 201 if created else 200)
+        self.send_json(self.agent_json(agent), 201 if created else 200)
 
     def get(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.core.agents.require_agent(agent)
-        self.send_json(self.core.sessions.agent_json(agent))
+        self.send_json(self.agent_json(agent))
+
+    def agent_json(self, agent: str) -> dict:
+        body = self.core.sessions.agent_json(agent)
+        if self.scope is not None:
+            body["socket"] = SANDBOX_SOCKET  # where the agent reaches it, not where it sits on the host
+        return body
 
     async def delete(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.require_control_socket()
         await self.core.sessions.stop_agent(agent)
-        self.send_json(self.core.sessions.agent_json(agent))
+        self.send_json(self.agent_json(agent))
 
 
 class SessionsHandler(BaseHandler):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from ..errors import GatewayError, bad_request
 from ..tools import read_file
 from ..tools.command import REQUEST_KEYS
-from .base import BaseHandler, StreamingHandler, check_fields
+from .base import BaseHandler, StreamingHandler, check_fields, parse_json
 
 
 class CommandHandler(StreamingHandler):
@@ -30,13 +31,15 @@ class CommandHandler(StreamingHandler):
 class FileHandler(BaseHandler):
     tool = "read_file"
 
-    def get(self, agent: str) -> None:
+    async def get(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.core.agents.require_agent(agent)
         path = self.get_query_argument("path", None)
         if path is None:
             raise bad_request("missing query parameter path", "GET .../files?path=user-files/data.csv")
-        result = read_file.read_file(
+        # Disk reads in the agent's tree stay off the event loop.
+        result = await asyncio.to_thread(
+            read_file.read_file,
             self.core.agents.agent_root(agent),
             path,
             offset=self.query_int("offset", 1, minimum=1),
@@ -79,10 +82,7 @@ class PatchHandler(BaseHandler):
         if content_type.startswith("application/json") or (
             not content_type.startswith("text/") and text.lstrip().startswith("{")
         ):
-            try:
-                body = json.loads(text)
-            except ValueError as e:
-                raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+            body = parse_json(text)
             if not isinstance(body, dict):
                 raise bad_request("the body must be a JSON object", code="malformed_json")
             check_fields(body, {"patch": str, "cwd": str}, required=("patch",))

@@ -414,12 +414,19 @@ class _ConfinedFiles(_Files):
             workspace_paths.unlink_in_root(self.root, path)
 
 
+MAX_UPDATE_BYTES = 256 << 20
+
+
 def _read_text(files: _Files, path: str) -> str:
     try:
-        fd = files.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in the agent's tree must not hang the gateway (it is refused below).
+        fd = files.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise PatchError(f"Failed to read file to update {path}: path `{path}` is not a file")
+            if info.st_size > MAX_UPDATE_BYTES:  # the gateway holds the file in memory
+                raise PatchError(f"Failed to read file to update {path}: larger than {MAX_UPDATE_BYTES} bytes")
             with os.fdopen(os.dup(fd), "rb") as f:
                 data = f.read()
         finally:
@@ -437,7 +444,8 @@ def _write_text(files: _Files, path: str, text: str) -> None:
             files.makedirs(os.path.dirname(path))
         except OSError:
             pass
-        fd = files.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+        # O_NONBLOCK: opening a FIFO for writing fails at once (ENXIO) instead of waiting for a reader.
+        fd = files.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode("utf-8"))
     except OSError as err:

@@ -23,7 +23,7 @@ import os
 import stat
 
 from ..errors import GatewayError, bad_request, not_found
-from .workspace_paths import PathOutsideRoot, open_in_root
+from .workspace_paths import PathOutsideRoot, open_in_root, read_at_most
 
 MAX_TEXT_BYTES = 10 << 20
 MAX_IMAGE_BYTES = 10 << 20
@@ -103,18 +103,6 @@ def _open(agent_root: str, path: str) -> int:
         raise GatewayError(403, "permission_denied", f"cannot open {path!r}: {e.strerror}") from None
 
 
-def _read_at_most(fd: int, cap: int) -> bytes:
-    """Up to cap + 1 bytes: one more than allowed tells that the file is too large."""
-    chunks, wanted = [], cap + 1
-    while wanted > 0:
-        chunk = os.read(fd, min(wanted, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        wanted -= len(chunk)
-    return b"".join(chunks)
-
-
 def _too_large(path: str, size: int, cap: int, what: str, hint: str) -> GatewayError:
     return GatewayError(
         413, "too_large", f"{path!r} is {size} bytes, over the {cap}-byte limit for {what}", hint
@@ -179,7 +167,7 @@ def read_file(
                     "pass raw=true to get its bytes as base64",
                 )
             cap = max_image_bytes if image_mime else max_raw_bytes
-            data = _read_at_most(fd, cap)
+            data = read_at_most(fd, cap)
             if len(data) > cap:
                 raise _too_large(
                     path, max(size, len(data)), cap, "base64 reads", "copy or convert it with the command tool"
@@ -196,7 +184,7 @@ def read_file(
                 "truncated": False,
             }
 
-        data = _read_at_most(fd, max_text_bytes)
+        data = read_at_most(fd, max_text_bytes)
         if len(data) > max_text_bytes:
             raise _too_large(
                 path,

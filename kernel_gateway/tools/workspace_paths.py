@@ -11,6 +11,17 @@ kernel: they open relative to an fd of the root with Linux ``openat2(2)``
 (``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``), or, where that syscall is
 missing, walk the path one component at a time with ``O_NOFOLLOW`` and expand
 symlinks themselves, keeping every step beneath the root fd.
+
+The gateway runs with more privilege than the agent, so everything it does in
+an agent's tree goes through here: reading a file a kernel named
+(:func:`read_regular_in_root`: non-blocking, regular files only, size capped
+before reading), creating directories without following any symlink
+(:func:`make_dirs_nofollow`), and writing a file atomically
+(:func:`write_atomically_at`).  What the gateway creates for an agent is
+given to the owner of the agent root, so the agent can still change it.
+Paths that no filesystem call could take (NUL bytes, lone surrogates, a
+component over 255 bytes, more than 4096 bytes in all) are refused up front
+with :class:`InvalidPath`, a 400, rather than failing half-way.
 """
 
 from __future__ import annotations
@@ -21,6 +32,9 @@ import os
 import pathlib
 import platform
 import stat
+import uuid
+
+from ..errors import GatewayError
 
 # openat2 has the same number on every architecture using the unified syscall
 # table (x86_64, aarch64, arm, riscv, ppc, s390x, i386); elsewhere we walk.
@@ -31,6 +45,8 @@ _OPENAT2 = 437 if platform.machine() in {
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_BENEATH = 0x08
 _MAX_SYMLINKS = 40  # the kernel's limit, after which it answers ELOOP
+NAME_MAX = 255  # bytes in one path component
+PATH_MAX = 4096  # bytes in a whole path
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -43,12 +59,68 @@ class PathOutsideRoot(ValueError):
         self.path = os.fspath(path)
 
 
+class InvalidPath(GatewayError):
+    """A path no filesystem call could take: refused as bad input (400), nothing touched."""
+
+    def __init__(self, path, why: str):
+        shown = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else path
+        if isinstance(shown, str) and len(shown) > 200:
+            shown = shown[:200] + "..."
+        super().__init__(400, "invalid_path", f"invalid path {shown!r}: {why}",
+                         f"components are at most {NAME_MAX} bytes, paths at most {PATH_MAX}, in UTF-8")
+
+
+class NotRegularFile(OSError):
+    """The path names a directory, FIFO, socket or device where a regular file is needed."""
+
+
+class FileTooLarge(OSError):
+    """The file is larger than the caller's cap; nothing of it was read."""
+
+    def __init__(self, path, size: int, cap: int):
+        super().__init__(errno.EFBIG, f"{size} bytes, over the {cap}-byte limit", os.fspath(path))
+        self.size, self.cap = size, cap
+
+
+class SymlinkRefused(PathOutsideRoot):
+    """A symlink stands where the gateway creates or writes and follows none."""
+
+    def __init__(self, path, root):
+        ValueError.__init__(self, f"path '{os.fspath(path)}' goes through a symlink; refused")
+        self.path = os.fspath(path)
+
+
+def check_path_text(path) -> None:
+    """Refuse, as :class:`InvalidPath`, what no filesystem call could take."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if isinstance(path, bytes):
+        raw = path
+    elif isinstance(path, str):
+        try:
+            raw = os.fsencode(path)  # names read from disk carry their non-UTF-8 bytes as surrogates
+        except UnicodeEncodeError:
+            raise InvalidPath(path.encode("utf-8", "backslashreplace").decode(), "it is not valid UTF-8 text") from None
+    else:
+        raise InvalidPath(repr(path), f"a path is a string, not {type(path).__name__}")
+    if b"\0" in raw:
+        raise InvalidPath(path, "it contains a NUL byte")
+    if len(raw) > PATH_MAX:
+        raise InvalidPath(path, f"it is {len(raw)} bytes long")
+    longest = max((len(part) for part in raw.split(b"/")), default=0)
+    if longest > NAME_MAX:
+        raise InvalidPath(path, f"a component is {longest} bytes long")
+
+
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
 def _relative_parts(root: str, path, cwd) -> list[str]:
     """Components of `path` (taken from `cwd`) below the real root, folded lexically."""
+    check_path_text(path)
+    if cwd is not None:
+        check_path_text(cwd)
     root_real = os.path.realpath(root)
     base = root_real
     if cwd is not None:
@@ -110,6 +182,7 @@ def _walk(root: str, parts: list[str], follow_final: bool = True, create_dirs: b
             except FileNotFoundError:
                 if create_dirs:
                     os.mkdir(name, 0o777, dir_fd=fds[-1])
+                    _give_to_owner(fds[-1], name, _owner(fds[0]))
                     todo.insert(0, name)
                     continue
                 if last:
@@ -179,7 +252,19 @@ def open_in_root(root, path, flags, mode=0o644, cwd=None) -> int:
     if _OPENAT2 is not None:
         root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return _openat2(root_fd, "/".join(parts), flags, mode)
+            if flags & os.O_CREAT and not flags & os.O_EXCL:
+                # Exclusive first, so a file made here (and only such) goes to the agent.
+                try:
+                    fd = _openat2(root_fd, "/".join(parts), flags | os.O_EXCL, mode)
+                except FileExistsError:
+                    pass
+                else:
+                    _give_fd_to_owner(fd, _owner(root_fd))
+                    return fd
+            fd = _openat2(root_fd, "/".join(parts), flags, mode)
+            if flags & os.O_EXCL:
+                _give_fd_to_owner(fd, _owner(root_fd))
+            return fd
         except OSError as err:
             if err.errno == errno.EXDEV:
                 raise PathOutsideRoot(path, root) from err
@@ -402,3 +487,153 @@ def unlink_in_root_unless(root, path, refuse, cwd=None) -> None:
         os.unlink(name, dir_fd=fds[-1])
     finally:
         _close_all(fds)
+
+# --- the gateway's own writes and reads in an agent's tree --------------------------
+
+
+def _owner(root_fd: int) -> tuple[int, int]:
+    st = os.fstat(root_fd)
+    return st.st_uid, st.st_gid
+
+
+def _should_chown(owner: tuple[int, int]) -> bool:
+    return os.geteuid() == 0 and owner != (os.geteuid(), os.getegid())
+
+
+def _give_to_owner(dir_fd: int, name: str, owner: tuple[int, int]) -> None:
+    if _should_chown(owner):
+        os.chown(name, *owner, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _give_fd_to_owner(fd: int, owner: tuple[int, int]) -> None:
+    if _should_chown(owner):
+        os.fchown(fd, *owner)
+
+
+def agent_owner(root) -> tuple[int, int]:
+    """(uid, gid) owning the agent root: what the gateway creates there becomes theirs."""
+    st = os.stat(os.fspath(root))
+    return st.st_uid, st.st_gid
+
+
+def read_at_most(fd: int, cap: int) -> bytes:
+    """Up to cap + 1 bytes: one more than allowed tells that the file is too large."""
+    chunks, wanted = [], cap + 1
+    while wanted > 0:
+        chunk = os.read(fd, min(wanted, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        wanted -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_regular_in_root(root, path, max_bytes: int, cwd=None, follow_final: bool = False) -> bytes:
+    """The bytes of the regular file `path` beneath `root`, at most `max_bytes`.
+
+    The file is first opened ``O_PATH`` (no open side effects on a FIFO or a
+    device), checked with fstat to be a regular file no larger than the cap,
+    and only then reopened for reading.  A final symlink is refused unless
+    `follow_final` (it would have to stay beneath the root anyway).  Raises
+    PathOutsideRoot (SymlinkRefused), InvalidPath, FileNotFoundError,
+    NotRegularFile or FileTooLarge.
+    """
+    flags = os.O_PATH | (0 if follow_final else os.O_NOFOLLOW)
+    try:
+        fd = open_in_root(root, path, flags, cwd=cwd)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise SymlinkRefused(path, root) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISLNK(info.st_mode):
+            raise SymlinkRefused(path, root)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", os.fspath(path))
+        if info.st_size > max_bytes:
+            raise FileTooLarge(path, info.st_size, max_bytes)
+        # Reopen the very inode the O_PATH fd holds, now known to be a regular file.
+        reading = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+    try:
+        data = read_at_most(reading, max_bytes)
+    finally:
+        os.close(reading)
+    if len(data) > max_bytes:  # it grew since the fstat
+        raise FileTooLarge(path, len(data), max_bytes)
+    return data
+
+
+def make_dirs_nofollow(root, path, cwd=None) -> None:
+    """Create `path` and its missing parents beneath `root`, following no symlink at all.
+
+    Each step is ``mkdirat`` then an ``O_NOFOLLOW | O_DIRECTORY`` open of what
+    is there, so a component the agent replaced with a symlink (even one that
+    points inside its own tree) is refused with SymlinkRefused, and nothing is
+    created past it.  Created directories go to the agent root's owner.
+    """
+    root = os.fspath(root)
+    parts = _relative_parts(root, path, cwd)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        owner = _owner(fd)
+        for name in parts:
+            try:
+                os.mkdir(name, 0o777, dir_fd=fd)
+            except FileExistsError:
+                pass
+            else:
+                _give_to_owner(fd, name, owner)
+            try:
+                step = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except (NotADirectoryError, OSError) as err:
+                if err.errno in (errno.ENOTDIR, errno.ELOOP) and stat.S_ISLNK(
+                    os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                ):
+                    raise SymlinkRefused(path, root) from None
+                raise
+            os.close(fd)
+            fd = step
+    finally:
+        os.close(fd)
+
+
+def write_atomically_at(dir_fd: int, name: str, data: bytes, *, owner: tuple[int, int] | None = None,
+                        mode: int | None = None, before_rename=None) -> bool:
+    """Replace `name` in the directory `dir_fd` with `data`, all or nothing.
+
+    A temporary file is created next to it (``O_EXCL | O_NOFOLLOW``), given to
+    `owner`, written, fsynced and renamed over `name` within the directory
+    (renameat); then the directory is fsynced.  If `before_rename` returns
+    False the temporary file is removed and False returned.
+    """
+    temp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temp, flags, 0o666, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if owner is not None:
+                _give_fd_to_owner(fd, owner)
+            if mode is not None:
+                os.fchmod(fd, mode)
+            handle.write(data)
+            handle.flush()
+            os.fsync(fd)
+        if before_rename is not None and not before_rename():
+            os.unlink(temp, dir_fd=dir_fd)
+            return False
+        os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(temp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
+    directory = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+    return True
