@@ -213,11 +213,14 @@ class Kernel:
         """
         session = Session(key=self.km.session.key, signature_scheme=self.km.session.signature_scheme)
         client = self.km.client(session=session)
+        if channels.get("iopub", True):
+            bound_iopub(client)  # every iopub reader of the gateway is bounded, not only the executor's
         client.start_channels(**channels)
         return client
 
     def _start_watching(self) -> None:
         self._watch = self.km.client()
+        bound_iopub(self._watch)  # a flood must not queue up in the watcher's socket either
         self._watch.start_channels(shell=False, iopub=True, stdin=False, hb=False, control=False)
         self._watch_task = asyncio.ensure_future(self._watch_iopub())
 
