@@ -625,10 +625,12 @@ def test_hints_are_jlk_commands_not_http_routes(jlk):
 
 def test_output_closed_early_exits_141_without_a_traceback(gateway):
     env = clean_env(KERNEL_GATEWAY_CONTROL_SOCKET=gateway.socket, KERNEL_GATEWAY_AGENT=AGENT)
-    # `jlk ... | head -1`: the reader takes one line and goes away.
+    # `jlk ... | head -1`: the reader takes one line and goes away.  The text jlk prints
+    # (a bounded stream and a bounded result) is well over a pipe's 64 KiB, so jlk is
+    # still writing when the reader leaves.
     pipeline = subprocess.run(
         ["bash", "-c", f'set -o pipefail; "{sys.executable}" "{JLK}" --session pipe execute '
-                       "--code 'for i in range(200000): print(i)' | head -1"],
+                       "--code 'for i in range(200000): print(i)\n\"y\" * 200000' | head -1"],
         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120,
     )
     assert pipeline.stdout == "0\n"
