@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import re
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tornado import httpserver, netutil, web
+from tornado.log import access_log
 
 from .. import __version__
 from ..sandbox import cgroups, quota, seccomp
@@ -26,12 +28,14 @@ from ..sandbox.profile import ProfileError, load_profile
 from ..codex_runner import check_model_profile
 from ..jobs import JobManager
 from ..sessions import SessionManager
-from ..settings import Gateway
-from . import job_routes, library_routes, notebook_routes, openapi_routes, session_routes, tool_routes
+from ..settings import DEFAULT_JUPYTER_PORT, JUPYTER_HOST, Gateway
+from ..jupyter_api.service import JupyterAPI
+from . import job_routes, jupyter_routes, library_routes, notebook_routes, openapi_routes, session_routes, tool_routes
 from .base import NotFoundHandler
 from .connections import ConnectionGate
 
 ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes]
+JUPYTER_PORT_RETRIES = 50  # as Jupyter Server's port_retries
 
 
 @dataclass
@@ -42,14 +46,14 @@ class Core:
     sessions: SessionManager
     jobs: Any = None  # the JobManager, once started
     info: dict = field(default_factory=dict)
+    jupyter: JupyterAPI | None = None
 
 
 def make_app(core: Core, scope: str | None = None) -> web.Application:
-    handlers = [
-        (pattern, handler, {"core": core, "scope": scope})
-        for module in ROUTE_MODULES
-        for pattern, handler in module.routes()
-    ]
+    """The app of the control socket (``scope`` None) or of one agent's socket."""
+    routes = [pattern for module in ROUTE_MODULES for pattern in module.routes()]
+    routes += jupyter_routes.token_routes() + jupyter_routes.routes()
+    handlers = [(pattern, handler, {"core": core, "scope": scope}) for pattern, handler in routes]
     return web.Application(
         handlers,
         default_handler_class=NotFoundHandler,
@@ -65,6 +69,29 @@ def log_request(handler: web.RequestHandler) -> None:
         web.access_log.error(
             "%d %s %.2fms", handler.get_status(), handler._request_summary(), 1000.0 * handler.request.request_time()
         )
+
+
+def make_jupyter_app(core: Core) -> web.Application:
+    """The app of the loopback TCP port: the Jupyter routes only, each behind an agent's token."""
+    args = {"core": core, "scope": None, "tcp": True}
+    return web.Application(
+        [(pattern, handler, args) for pattern, handler in jupyter_routes.routes()],
+        default_handler_class=jupyter_routes.JupyterNotFoundHandler,
+        default_handler_args={"core": core, "scope": None},
+        websocket_max_message_size=64 << 20,
+        log_function=log_request_without_token,
+    )
+
+
+def log_request_without_token(handler: web.RequestHandler) -> None:
+    """Tornado's access log line, with any ?token= value blanked out."""
+    status = handler.get_status()
+    if status < 500:
+        return  # as on the sockets: a flood of refused requests is no flood of log lines
+    log = access_log.error
+    uri = re.sub(r"([?&]token=)[^&]*", r"\1[secret]", handler.request.uri or "")
+    log("%d %s %s (%s) %.2fms", status, handler.request.method, uri, handler.request.remote_ip,
+        1000.0 * handler.request.request_time())
 
 
 def bwrap_version(path: str) -> str:
@@ -83,6 +110,7 @@ class GatewayServer:
         self._lock_file: Any = None
         self._stopping = False
         self._cull_task: asyncio.Task | None = None
+        self.jupyter_server: httpserver.HTTPServer | None = None
 
     def _prepare_dirs(self) -> None:
         s = self.settings
@@ -109,6 +137,29 @@ class GatewayServer:
         # Our own accept loop: caps per agent socket, and no spinning when descriptors run out.
         self.gate.listen(sock, server, scope)
         self.servers[scope] = (server, path)
+
+    def _listen_jupyter(self) -> None:
+        """The loopback TCP listener; the default port moves on to a free one, an explicit port must be free."""
+        s = self.settings
+        default = s.jupyter_port == DEFAULT_JUPYTER_PORT
+        ports = [s.jupyter_port + i for i in range(JUPYTER_PORT_RETRIES + 1)] if default else [s.jupyter_port]
+        for port in ports:
+            try:
+                sockets = netutil.bind_sockets(port, JUPYTER_HOST)
+                break
+            except OSError as e:
+                last = e
+        else:
+            raise SystemExit(
+                f"kernel-gateway: cannot listen on {JUPYTER_HOST}:{ports[-1]} for the Jupyter API: {last}; "
+                "choose another --jupyter-port (0: any free one) or --no-jupyter"
+            )
+        server = httpserver.HTTPServer(
+            make_jupyter_app(self.core), max_body_size=s.max_body_size + (1 << 20), idle_connection_timeout=3600
+        )
+        server.add_sockets(sockets)
+        self.jupyter_server = server
+        self.core.jupyter.url = f"http://{JUPYTER_HOST}:{sockets[0].getsockname()[1]}/"
 
     def _agent_created(self, agent: str) -> None:
         if agent not in self.servers:
@@ -187,7 +238,11 @@ class GatewayServer:
                 sessions.library.ensure_agent(agent)
             except (OSError, ValueError) as e:
                 raise SystemExit(f"kernel-gateway: cannot prepare the Agent Library of {agent!r}: {e}") from None
+        self.core.jupyter = JupyterAPI(sessions, notebook_routes.notebook_session)
         self._listen(s.socket, None)
+        if s.jupyter:
+            self._listen_jupyter()
+        self.core.info["jupyter"] = {"url": self.core.jupyter.url}
         for agent in sorted(sessions.agents):
             self._agent_created(agent)
         sessions.on_agent = self._agent_created
@@ -213,6 +268,10 @@ class GatewayServer:
         if self._cull_task:
             self._cull_task.cancel()
         self.gate.close_all()
+        if self.jupyter_server is not None:
+            self.jupyter_server.stop()
+        if self.core.jupyter is not None:
+            self.core.jupyter.bridges.close_all()
         if self.core.jobs:
             await self.core.jobs.stop()
         await self.core.sessions.shutdown_all()
@@ -265,6 +324,8 @@ def serve(settings: Gateway) -> int:
     print(f"  process limits: {gateway.core.info['sandbox']['process_limits']}")
     disk = gateway.core.info["sandbox"]["disk_quota"]
     print(f"  disk quota: {disk['mechanism']}" + (f" ({disk['reason']})" if "reason" in disk else f", {disk['size']} bytes per agent"))
+    if gateway.core.jupyter.url:
+        print(f"  Jupyter API: {gateway.core.jupyter.url}agents/<agent>/  (a token: kernel-gateway token <agent>)")
     agent = s.demo_agent or "demo"
     jlk = os.path.join(os.path.dirname(sys.executable), "jlk")
     print("Try, in another terminal:", flush=True)
