@@ -211,7 +211,8 @@ def test_kernels_crud_interrupt_restart_and_one_set_of_kernels(gw, alice):
     ({"name": "nope"}, "unknown_kernel"),
     ({"name": 7}, "unknown_kernel"),
     ({"bogus": 1}, "unknown_field"),
-    ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "unsupported"),
+    ({"env": "LD_PRELOAD=/tmp/x.so"}, "wrong_type"),
+    ({"env": {"A": 1}}, "wrong_type"),
     ({"kernel_id": "3c237be6-2e16-534f-8fa5-964c8bcb6a89"}, "unsupported"),
     ({"path": "../bob"}, "path_outside_root"),
     ({"path": 5}, "wrong_type"),
@@ -221,6 +222,17 @@ def test_kernel_start_refuses_bad_input_and_starts_nothing(gw, alice, body, code
     status, answer = alice.call("POST", "api/kernels", body)
     assert status == 400 and answer["error"]["code"] == code, answer
     assert v1_sessions(gw).keys() == before.keys()
+
+
+def test_a_clients_env_never_reaches_the_kernel(gw, alice):
+    status, model = alice.call("POST", "api/kernels", {"env": {"LD_PRELOAD": "/tmp/x.so", "KERNEL_USERNAME": "x"}})
+    assert status == 201
+    try:
+        status, result = gw.client.execute("alice", model["gateway_session"],
+                                           "import os; print(os.environ.get('LD_PRELOAD'), os.environ.get('KERNEL_USERNAME'))")
+        assert result["text"] == "None None\n"
+    finally:
+        alice.call("DELETE", f"api/kernels/{model['id']}")
 
 
 def test_kernel_routes_refuse_bad_input(alice):

@@ -65,6 +65,8 @@ class Bridge:
         self._buffer_overflow = False
         self._expiry: asyncio.TimerHandle | None = None
         self.closed = False
+        self._iopub_live = asyncio.Event()
+        self._nudges: set[str] = set()
 
     # --- the gateway session ------------------------------------------------------
 
@@ -96,6 +98,7 @@ class Bridge:
             "iopub": client.connect_iopub(),
         }
         self.client = client
+        self._iopub_live = asyncio.Event()
         self._tasks = [asyncio.ensure_future(self._receive(name, sock)) for name, sock in self.sockets.items()]
         self._tasks.append(asyncio.ensure_future(self._watch()))
 
@@ -125,9 +128,47 @@ class Bridge:
                 continue
             parts = parts[1:]  # the signature is ours to check, not the client's
             if channel == "iopub":
+                self._iopub_live.set()
+                if self._nudges and self._is_nudge(parts):
+                    continue
                 self._observe(parts)
             self._touch()
             self._emit(channel, parts)
+
+    async def nudge(self, timeout: float = 10.0) -> bool:
+        """Wait until this bridge's iopub subscription is live, as jupyter_server's ``nudge`` does.
+
+        A ZMQ SUB socket misses what is published before its subscription
+        reaches the kernel, so the first outputs of a client could be lost.
+        ``kernel_info_request`` is sent on a transient control socket (answered
+        even while the kernel is busy) until an iopub message arrives; the
+        replies and their iopub status messages are not relayed.
+        """
+        if self.client is None or self.session is None:
+            return False
+        control = self.client.connect_control()
+        try:
+            loop = asyncio.get_event_loop()
+            deadline = loop.time() + timeout
+            while not self._iopub_live.is_set() and loop.time() < deadline:
+                msg = self.session.msg("kernel_info_request", {})
+                self._nudges.add(msg["header"]["msg_id"])
+                self.session.send(control, msg)
+                try:
+                    await asyncio.wait_for(self._iopub_live.wait(), 0.2)
+                except asyncio.TimeoutError:
+                    pass
+            return self._iopub_live.is_set()
+        finally:
+            control.close(linger=0)
+            # Late iopub echoes of the nudges are still dropped for a moment.
+            asyncio.get_event_loop().call_later(2.0, self._nudges.clear)
+
+    def _is_nudge(self, parts: list) -> bool:
+        try:
+            return json.loads(parts[1]).get("msg_id") in self._nudges
+        except (ValueError, AttributeError):
+            return False
 
     def _observe(self, parts: list) -> None:
         """The kernel's execution state, from its iopub status messages."""

@@ -67,11 +67,11 @@ class ChannelsHandler(websocket.WebSocketHandler):
     def get_compression_options(self) -> None:
         return None
 
-    def open(self, agent: str, kernel_id: str) -> None:
+    async def open(self, agent: str, kernel_id: str) -> None:
         self.protocol = self.selected_subprotocol
         bridges = self.core.jupyter.bridges
         try:
-            self.bridge, _reused = bridges.open(self.agent, self.gateway_session, kernel_id, self.session_id)
+            self.bridge, reused = bridges.open(self.agent, self.gateway_session, kernel_id, self.session_id)
         except LookupError:
             self.close(1011, "the kernel is gone")
             return
@@ -81,6 +81,9 @@ class ChannelsHandler(websocket.WebSocketHandler):
             stale.close(1000, "replaced by a newer connection with the same session_id")
         for channel, parts in self.bridge.attach(self.deliver, self.gone):
             self.deliver(channel, parts)
+        if not reused:
+            # on_message waits for open: nothing the client sends goes out before iopub is live.
+            await self.bridge.nudge()
 
     def deliver(self, channel: str, parts: list) -> None:
         """One kernel message to this websocket, in its protocol."""

@@ -170,9 +170,11 @@ class KernelsHandler(JupyterHandler):
             raise bad_request(f"unknown field {unknown[0]!r}", "allowed: name, path", code="unknown_field")
         if body.get("kernel_id") is not None:
             raise bad_request("a kernel id is chosen by the gateway", "leave kernel_id out", code="unsupported")
-        if body.get("env") not in (None, {}):
-            # A client does not choose what a sandboxed kernel's environment holds.
-            raise bad_request("env is not accepted", "set variables in the kernel itself", code="unsupported")
+        env = body.get("env")
+        if env is not None and not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+            raise bad_request("field 'env' must be an object of strings", code="wrong_type")
+        # GatewayClient sends its KERNEL_* variables; they are ignored: a client never
+        # chooses what a sandboxed kernel's environment holds (LD_PRELOAD, PYTHONPATH, ...).
         model = await self.kernels.start(body.get("name"), body.get("path"))
         self.set_header("Location", f"{self.base_url}api/kernels/{model['id']}")
         self.send_json(model, 201)
