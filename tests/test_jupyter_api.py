@@ -488,3 +488,21 @@ def test_the_culler_never_kills_a_kernel_busy_over_a_websocket(tmp_path):
         assert wait_until(lambda: dave.call("GET", f"api/kernels/{kid}")[0] == 404, timeout=30)
     finally:
         gateway.stop()
+
+
+def test_a_disabled_live_kernel_skill_closes_the_kernel_routes(gw):
+    assert gw.client.call("PUT", "/v1/agents/erin")[0] == 201
+    token = mint(gw, "erin")
+    erin = JupyterClient(token["url"], token["token"])
+    kid = erin.call("POST", "api/kernels", {})[1]["id"]
+    status, body = gw.client.call("PATCH", "/v1/agents/erin/skills/jupyter-live-kernel", {"enabled": False})
+    assert status == 200, body
+    try:
+        for method, path, body in (("POST", "api/kernels", {}),
+                                   ("POST", "api/sessions", {"path": "x.ipynb", "type": "notebook"})):
+            status, answer = erin.call(method, path, body)
+            assert status == 403 and answer["error"]["code"] == "skill_disabled", (path, answer)
+        assert kid not in [k["id"] for k in erin.call("GET", "api/kernels")[1]]  # its kernels were stopped
+        assert erin.call("GET", "api/contents")[0] == 200  # files stay reachable
+    finally:
+        gw.client.call("PATCH", "/v1/agents/erin/skills/jupyter-live-kernel", {"enabled": True})

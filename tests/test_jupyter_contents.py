@@ -204,7 +204,13 @@ def test_every_escape_is_refused_and_nothing_changes(gw, alice, tmp_path):
     ("POST", "api/contents/user-files", {"zzz": 1}, 400, "unknown_field"),
     ("PATCH", "api/contents/SOUL.md", {}, 400, "missing_field"),
     ("PATCH", "api/contents/nope.md", {"path": "x.md"}, 404, "not_found"),
-    ("PATCH", "api/contents/SOUL.md", {"path": "MISSION.md"}, 409, "exists"),
+    ("PATCH", "api/contents/user-files/a.txt", {"path": "user-files/b.bin"}, 409, "exists"),
+    ("PUT", "api/contents/SOUL.md", {"type": "file", "format": "text", "content": "new soul"}, 403, "read_only"),
+    ("PATCH", "api/contents/SOUL.md", {"path": "user-files/soul.md"}, 403, "read_only"),
+    ("PATCH", "api/contents/user-files/a.txt", {"path": "MISSION.md"}, 403, "read_only"),
+    ("DELETE", "api/contents/DESIGN.md", None, 403, "read_only"),
+    ("PUT", "api/contents/installed-skills/mine", {"type": "directory"}, 403, "read_only"),
+    ("POST", "api/contents/installed-skills", {"type": "file"}, 403, "read_only"),
     ("PATCH", "api/contents", {"path": "x"}, 400, "invalid_path"),
     ("DELETE", "api/contents", None, 400, "invalid_path"),
     ("POST", "api/contents/user-files/checkpoints", None, 400, "not_a_file"),
@@ -217,6 +223,12 @@ def test_bad_input_is_refused_and_changes_nothing(gw, alice, method, path, body,
     assert (got, answer["error"]["code"]) == (status, code), answer
     assert answer["message"]
     assert snapshot(tree(gw)) == before
+
+
+def test_the_agents_read_only_documents_say_so(alice):
+    listing = {m["name"]: m for m in alice.call("GET", "api/contents")[1]["content"]}
+    assert listing["SOUL.md"]["writable"] is False and listing["installed-skills"]["writable"] is False
+    assert listing["user-files"]["writable"] is True
 
 
 def test_malformed_bodies(gw, alice):

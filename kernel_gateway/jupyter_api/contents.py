@@ -21,6 +21,7 @@ import mimetypes
 import os
 import stat
 import uuid
+from typing import Callable
 
 import nbformat
 
@@ -70,8 +71,18 @@ def _split(path: str) -> tuple[str, str]:
 class Contents:
     """The contents manager of one agent's tree."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, protected: Callable[[str], str | None] | None = None):
         self.root = root
+        # protected(physical path) -> why the agent may not write it (the Agent Library's documents
+        # and installed skills), or None.
+        self.protected = protected or (lambda physical: None)
+
+    def _guard(self, dir_fd: int, name: str, path: str) -> None:
+        """Refuse a write to what the agent may only read, judged on the directory actually opened."""
+        physical = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
+        why = self.protected(physical)
+        if why:
+            raise GatewayError(403, "read_only", f"{path}: {why}", "")
 
     # --- confined primitives -------------------------------------------------
 
@@ -152,6 +163,7 @@ class Contents:
         """Replace the file at ``path`` atomically; a symlink there is replaced, never followed."""
         dir_fd, name = self._parent_fd(path)
         try:
+            self._guard(dir_fd, name, path)
             try:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
@@ -187,6 +199,7 @@ class Contents:
     def _mkdir(self, path: str) -> None:
         dir_fd, name = self._parent_fd(path)
         try:
+            self._guard(dir_fd, name, path)
             os.mkdir(name, 0o755, dir_fd=dir_fd)
             if os.geteuid() == 0:
                 owner = os.fstat(dir_fd)
@@ -203,7 +216,7 @@ class Contents:
             "name": path.rpartition("/")[2],
             "path": path,
             "type": type_,
-            "writable": True,
+            "writable": not self.protected(os.path.join(os.path.realpath(self.root), path)),
             "created": _iso(info.st_ctime),
             "last_modified": _iso(info.st_mtime),
             "size": info.st_size if type_ != "directory" else None,
@@ -440,6 +453,8 @@ class Contents:
         try:
             dst_fd, dst_name = self._parent_fd(new)
             try:
+                self._guard(src_fd, src_name, old)
+                self._guard(dst_fd, dst_name, new)
                 if self._exists_in(dst_fd, dst_name):
                     raise conflict(f"File already exists: {new}", code="exists")
                 os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
@@ -459,6 +474,7 @@ class Contents:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 raise not_found(f"File or directory does not exist: {path}", code="not_found") from None
+            self._guard(dir_fd, name, path)
             if stat.S_ISDIR(st.st_mode):
                 inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
                 try:

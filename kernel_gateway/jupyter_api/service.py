@@ -35,7 +35,9 @@ class JupyterAPI:
 
     def contents(self, agent: str) -> Contents:
         self.sessions.require_agent(agent)
-        return Contents(self.sessions.agent_root(agent))
+        library = getattr(self.sessions, "library", None)
+        protected = (lambda physical: library.protected(agent, physical)) if library is not None else None
+        return Contents(self.sessions.agent_root(agent), protected)
 
     def agent_url(self, agent: str) -> str | None:
         return f"{self.url}agents/{agent}/" if self.url else None
