@@ -72,6 +72,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
 
     async def open(self, agent: str, kernel_id: str) -> None:
         self.protocol = self.selected_subprotocol
+        # Many small frames in a row (status, stream, reply): Nagle plus delayed ACKs would add ~40 ms.
+        self.set_nodelay(True)
         bridges = self.core.jupyter.bridges
         try:
             self.bridge, reused = bridges.open(self.agent, self.gateway_session, kernel_id, self.session_id)
