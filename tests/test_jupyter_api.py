@@ -235,7 +235,7 @@ def test_a_clients_env_never_reaches_the_kernel(gw, alice):
         alice.call("DELETE", f"api/kernels/{model['id']}")
 
 
-def test_kernel_routes_refuse_bad_input(alice):
+def test_kernel_routes_refuse_bad_input(gw, alice):
     assert alice.call("POST", "api/kernels", raw=b"{not json")[0] == 400
     assert alice.call("POST", "api/kernels", raw=b"[1]")[0] == 400
     for method, path in (("GET", "api/kernels/nope"), ("DELETE", "api/kernels/nope"),
@@ -243,6 +243,15 @@ def test_kernel_routes_refuse_bad_input(alice):
                          ("GET", "api/kernels/0d8a3b52-1111-4222-8333-444455556666")):
         status, body = alice.call(method, path)
         assert status == 404 and body["error"]["code"] == "unknown_kernel", (method, path)
+    # Another agent's API never reaches alice's kernel, even by its id.
+    kid = alice.call("POST", "api/kernels", {})[1]["id"]
+    try:
+        for method, path in (("GET", f"/agents/bob/api/kernels/{kid}"), ("DELETE", f"/agents/bob/api/kernels/{kid}"),
+                             ("POST", f"/agents/bob/api/kernels/{kid}/restart")):
+            assert gw.client.call(method, path)[0] == 404, path
+        assert alice.call("GET", f"api/kernels/{kid}")[1]["execution_state"] == "idle"
+    finally:
+        alice.call("DELETE", f"api/kernels/{kid}")
     status, body = alice.call("PUT", "api/kernels")
     assert status == 405 and body["message"]
     status, body = alice.call("GET", "api/nothing-here")

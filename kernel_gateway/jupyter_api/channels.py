@@ -30,6 +30,7 @@ import zmq
 from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.session import Session as ZMQSession
 
+from ..errors import GatewayError
 from ..sessions import LIVE_STATES
 
 log = logging.getLogger("kernel_gateway.jupyter")
@@ -39,6 +40,7 @@ BUFFER_SECONDS = 120.0
 BUFFER_MAX_MESSAGES = 10_000
 BUFFER_MAX_BYTES = 32 << 20
 WATCH_SECONDS = 0.5
+MAX_BRIDGES = 256  # open or buffering, in all: each holds four ZMQ sockets
 
 # deliver(channel, parts): parts are [header, parent_header, metadata, content, *buffers] (bytes).
 Deliver = Callable[[str, list], None]
@@ -302,6 +304,13 @@ class Bridges:
             return bridge, True
         if bridge is not None:
             bridge.close()
+        if len(self._bridges) >= MAX_BRIDGES:
+            # Make room by dropping the oldest buffer of a websocket that left; never an open one.
+            waiting = [b for k, b in self._bridges.items() if k not in self._attached]
+            if not waiting:
+                raise GatewayError(429, "too_many_connections",
+                                   f"the gateway already holds {MAX_BRIDGES} kernel websockets", "close some")
+            waiting[0].close()
         bridge = Bridge(self, agent, gateway_session, kernel_id, session_id)
         bridge.connect()
         self._bridges[key] = bridge

@@ -80,6 +80,9 @@ class ChannelsHandler(websocket.WebSocketHandler):
         except LookupError:
             self.close(1011, "the kernel is gone")
             return
+        except GatewayError as e:
+            self.close(1013, e.message[:120])  # try again later
+            return
         stale = bridges.attached(self.bridge, self)
         if stale is not None and stale is not self:
             stale.bridge = None  # the same session id again: the newer websocket wins, as in jupyter_server
