@@ -84,6 +84,9 @@ class Bridge:
         if session is None or session.kernel is None:
             raise LookupError("the kernel is gone")
         self._close_sockets()
+        if self._deliver is not None:  # attached: its connection moves to the new kernel
+            self._count(self.kernel, -1)
+            self._count(session.kernel, +1)
         self.kernel = session.kernel
         info = self.kernel.km.get_connection_info(session=False)
         self.session = ZMQSession(
@@ -184,13 +187,25 @@ class Bridge:
         session = self._gateway()
         if session is None or state not in ("busy", "idle"):
             return
+        if hasattr(session.kernel, "execution_state"):
+            return  # the kernel watches its own iopub
         if not session.lock.locked():  # the gateway's executor keeps its own state while it runs
             session.state = state
 
     def _touch(self) -> None:
+        """Client traffic is activity, as in jupyter_server."""
+        touch = getattr(self.kernel, "touch", None)
+        if touch is not None:
+            touch()
+            return
         session = self._gateway()
         if session is not None:
             session.last_activity = time.time()
+
+    def _count(self, kernel: Any, delta: int) -> None:
+        """An open websocket is a connection of its kernel (the culler leaves connected kernels alone)."""
+        if kernel is not None and hasattr(kernel, "connections"):
+            kernel.connections = max(0, kernel.connections + delta)
 
     def _emit(self, channel: str, parts: list) -> None:
         if self._deliver is not None:
@@ -253,11 +268,15 @@ class Bridge:
         replay, self.buffer = self.buffer, []
         self._buffer_bytes = 0
         self._buffer_overflow = False
+        if self._deliver is None:
+            self._count(self.kernel, +1)
         self._deliver, self._on_gone = deliver, on_gone
         return replay
 
     def detach(self) -> None:
         """The websocket closed: keep the sockets and buffer for a reconnect, for a while."""
+        if self._deliver is not None:
+            self._count(self.kernel, -1)
         self._deliver = self._on_gone = None
         if self.closed:
             return
@@ -282,6 +301,8 @@ class Bridge:
         if self._expiry is not None:
             self._expiry.cancel()
         self._close_sockets()
+        if self._deliver is not None:
+            self._count(self.kernel, -1)
         on_gone, self._on_gone, self._deliver = self._on_gone, None, None
         self.registry._forget(self)
         if on_gone is not None:

@@ -22,34 +22,28 @@ from typing import Any, Callable
 
 from ..errors import GatewayError, bad_request, not_found
 from ..kernels import KERNEL_NAME
-from ..sessions import LIVE_STATES, Session, SessionManager
+from ..sessions import LIVE_STATES
 from ..tools import workspace_paths
 
 KERNEL_ID_NAMESPACE = uuid.UUID("6f1b2c52-7a0e-4a57-9d0c-1d3f6e2b9a10")
 SESSION_TYPES = ("notebook", "console", "file")
 
 
-def kernel_id(session: Session) -> str:
+def kernel_id(session: Any) -> str:
     """The kernel id of a gateway session's kernel."""
-    known = getattr(session, "kernel_id", None)
+    known = getattr(session.kernel, "id", None) or getattr(session, "kernel_id", None)
     if known:
         return known
     return str(uuid.uuid5(KERNEL_ID_NAMESPACE, f"{session.agent}\0{session.id}"))
 
 
+def activity(session: Any) -> float:
+    """When the session's kernel last did or got anything (observed where the core observes it)."""
+    return getattr(session, "activity", None) or session.last_activity
+
+
 def iso8601(when: float) -> str:
     return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def check_uuid(value: Any, what: str) -> str:
-    try:
-        return str(uuid.UUID(value)) if isinstance(value, str) and len(value) == 36 else _raise()
-    except ValueError:
-        raise not_found(f"no {what} {value!r}", code=f"unknown_{what}") from None
-
-
-def _raise() -> str:
-    raise ValueError
 
 
 @dataclass
@@ -66,20 +60,22 @@ class AgentKernels:
     """The Jupyter view of one agent's kernels and sessions."""
 
     agent: str
-    sessions: SessionManager
+    sessions: Any  # the gateway's sessions: .sessions, get_or_create, get, stop, interrupt, restart
     notebook_session_id: Callable[[str], str]
     connections: Callable[[str], int]
+    require_agent: Callable[[str], None]
+    agent_root: Callable[[str], str]
     jupyter_sessions: dict[str, JupyterSession] = field(default_factory=dict)
 
     # --- kernels ----------------------------------------------------------------
 
-    def _live(self) -> list[Session]:
+    def _live(self) -> list:
         return [
             s for (a, _), s in list(self.sessions.sessions.items())
             if a == self.agent and s.state in LIVE_STATES and s.kernel is not None
         ]
 
-    def session_of(self, kid: str) -> Session:
+    def session_of(self, kid: str) -> Any:
         """The live gateway session whose kernel has id ``kid``."""
         for session in self._live():
             if kernel_id(session) == kid:
@@ -87,13 +83,13 @@ class AgentKernels:
         raise not_found(f"no kernel {kid!r} for agent {self.agent!r}", "list them: GET .../api/kernels",
                         code="unknown_kernel")
 
-    def model(self, session: Session) -> dict:
+    def model(self, session: Any) -> dict:
         kid = kernel_id(session)
         state = session.state if session.kernel is not None else "dead"
         return {
             "id": kid,
             "name": session.kernel_name,
-            "last_activity": iso8601(session.last_activity),
+            "last_activity": iso8601(activity(session)),
             "execution_state": state,
             "connections": self.connections(kid),
             # Which gateway session this is, for /v1 and jlk users.
@@ -101,8 +97,11 @@ class AgentKernels:
         }
 
     def list(self) -> list[dict]:
-        self.sessions.require_agent(self.agent)
+        self.require_agent(self.agent)
         return [self.model(s) for s in self._live()]
+
+    def last_activity(self) -> float | None:
+        return max((activity(s) for s in self._live()), default=None)
 
     def get(self, kid: str) -> dict:
         return self.model(self.session_of(kid))
@@ -119,7 +118,7 @@ class AgentKernels:
         """The kernel's working directory for ``path`` (a file or folder in the tree), as Jupyter does."""
         if not path:
             return None
-        root = self.sessions.agent_root(self.agent)
+        root = self.agent_root(self.agent)
         try:
             where = workspace_paths.resolve_in_root(root, path.lstrip("/"))
         except workspace_paths.PathOutsideRoot:
@@ -164,7 +163,7 @@ class AgentKernels:
         }
 
     def list_sessions(self) -> list[dict]:
-        self.sessions.require_agent(self.agent)
+        self.require_agent(self.agent)
         models = []
         for sid, js in list(self.jupyter_sessions.items()):
             try:
@@ -203,7 +202,7 @@ class AgentKernels:
 
     async def create_session(self, body: dict) -> dict:
         path, type_, name, kernel = _session_fields(body, required=True)
-        self.sessions.require_agent(self.agent)
+        self.require_agent(self.agent)
         for js in self.jupyter_sessions.values():
             if js.path == path:
                 try:

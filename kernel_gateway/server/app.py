@@ -238,7 +238,14 @@ class GatewayServer:
                 sessions.library.ensure_agent(agent)
             except (OSError, ValueError) as e:
                 raise SystemExit(f"kernel-gateway: cannot prepare the Agent Library of {agent!r}: {e}") from None
-        self.core.jupyter = JupyterAPI(sessions, notebook_routes.notebook_session)
+        self.core.jupyter = JupyterAPI(
+            sessions,
+            state_dir=s.state_dir,
+            require_agent=sessions.require_agent,
+            agent_root=sessions.agent_root,
+            notebook_session_id=notebook_routes.notebook_session,
+            library=sessions.library,
+        )
         self._listen(s.socket, None)
         if s.jupyter:
             self._listen_jupyter()

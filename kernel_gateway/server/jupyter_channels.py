@@ -46,9 +46,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
             self.agent = resolve_agent(self.core, self.scope, self.tcp, agent, request_token(self))
             kernels = self.core.jupyter.kernels(self.agent)
             session = kernels.session_of(kernel_id)
-            library = getattr(self.core.sessions, "library", None)
-            if library is not None:
-                library.require_kernel(self.agent)
+            self.core.jupyter.require_kernel(self.agent)
         except GatewayError as e:
             self.set_status(e.status)
             self.set_header("Content-Type", "application/json")

@@ -64,7 +64,7 @@ def resolve_agent(core: Any, scope: str | None, tcp: bool, agent: str, token: st
             raise GatewayError(403, "forbidden", f"this socket belongs to agent {scope!r}; {agent!r} is out of reach")
     elif agent == "me":
         raise bad_request("'me' only means something on an agent socket", "name the agent", code="invalid_agent")
-    core.sessions.require_agent(agent)
+    core.jupyter.require_agent(agent)
     return agent
 
 
@@ -129,8 +129,7 @@ class ApiHandler(JupyterHandler):
 class StatusHandler(JupyterHandler):
     def get(self, agent: str) -> None:
         kernels = self.kernels.list()
-        last = max([self.core.jupyter.started] + [s.last_activity for (a, _), s in
-                    self.core.sessions.sessions.items() if a == self.agent])
+        last = max(self.core.jupyter.started, self.kernels.last_activity() or 0)
         self.send_json({
             "started": iso8601(self.core.jupyter.started),
             "last_activity": iso8601(last),
@@ -337,14 +336,14 @@ class TokensHandler(BaseHandler):
         self.require_control_socket()
         agent = self.agent_arg(agent)
         self.json_body({})
-        self.core.sessions.require_agent(agent)
+        self.core.jupyter.require_agent(agent)
         minted = self.core.jupyter.tokens.mint(agent)
         self.send_json({**minted, "url": self.core.jupyter.agent_url(agent)}, 201)
 
     def get(self, agent: str) -> None:
         self.require_control_socket()
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.jupyter.require_agent(agent)
         self.send_json({"tokens": self.core.jupyter.tokens.list(agent), "url": self.core.jupyter.agent_url(agent)})
 
 
@@ -354,7 +353,7 @@ class TokenHandler(BaseHandler):
     def delete(self, agent: str, token_id: str) -> None:
         self.require_control_socket()
         agent = self.agent_arg(agent)
-        self.core.sessions.require_agent(agent)
+        self.core.jupyter.require_agent(agent)
         self.core.jupyter.tokens.revoke(agent, token_id)
         self.send_json({"id": token_id, "revoked": True})
 
