@@ -30,11 +30,12 @@ from ..jobs import JobManager
 from ..sessions import SessionManager
 from ..settings import DEFAULT_JUPYTER_PORT, JUPYTER_HOST, Gateway
 from ..jupyter_api.service import JupyterAPI
-from . import job_routes, jupyter_routes, library_routes, notebook_routes, openapi_routes, session_routes, tool_routes
+from . import (job_routes, jupyter_routes, library_routes, notebook_routes, openapi_routes, session_routes,
+               token_routes, tool_routes)
 from .base import NotFoundHandler
 from .connections import ConnectionGate
 
-ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes]
+ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes, token_routes]
 JUPYTER_PORT_RETRIES = 50  # as Jupyter Server's port_retries
 
 
@@ -52,7 +53,7 @@ class Core:
 def make_app(core: Core, scope: str | None = None) -> web.Application:
     """The app of the control socket (``scope`` None) or of one agent's socket."""
     routes = [pattern for module in ROUTE_MODULES for pattern in module.routes()]
-    routes += jupyter_routes.token_routes() + jupyter_routes.routes()
+    routes += jupyter_routes.routes()  # /agents/{agent}/api/...: Jupyter's own API, not described here
     handlers = [(pattern, handler, {"core": core, "scope": scope}) for pattern, handler in routes]
     return web.Application(
         handlers,
