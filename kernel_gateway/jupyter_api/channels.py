@@ -248,6 +248,9 @@ class Bridge:
             except LookupError:
                 self.close()
                 return False
+            # The new kernel's iopub must be live before the client's next request goes out.
+            self._held: list = []
+            asyncio.ensure_future(self._nudge_then_flush())
             return True
         return False
 
@@ -283,8 +286,19 @@ class Bridge:
         loop = asyncio.get_event_loop()
         self._expiry = loop.call_later(BUFFER_SECONDS, self.close)
 
+    async def _nudge_then_flush(self) -> None:
+        await self.nudge()
+        held, self._held = getattr(self, "_held", None) or [], None
+        for channel, msg_list in held:
+            self.send(channel, msg_list)
+
     def send(self, channel: str, msg_list: list) -> None:
         """A message from the websocket: [header, parent, metadata, content, *buffers], signed here."""
+        held = getattr(self, "_held", None)
+        if held is not None:
+            if len(held) < 1000:
+                held.append((channel, msg_list))
+            return
         sock = self.sockets.get(channel)
         if sock is None or channel == "iopub" or self.session is None:
             return
