@@ -343,6 +343,85 @@ def measure_cpu_fairness(gw: Gateway, n: int, results: dict, rounds: int = 3) ->
     }
 
 
+def measure_jupyter(gw: Gateway, n_rtt: int, n_start: int, results: dict) -> None:
+    """`x = 1` over our kernel websocket (v1 protocol) beside bare jupyter_client; POST /api/kernels with a spare."""
+    from jupyter_client.session import Session
+    from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1, serialize_msg_to_ws_v1
+    from tornado import httpclient, websocket
+
+    log(f"jupyter websocket round trip: {n_rtt} x `x = 1`, bare jupyter_client and over /api/kernels/{{id}}/channels")
+    gw.agent("jupyter")
+    token = gw.client.ok("POST", "/v1/agents/jupyter/tokens", {})
+    base, auth = token["url"], {"Authorization": f"token {token['token']}"}
+
+    def api(method: str, path: str, body: dict | None = None) -> dict:
+        parsed = http.client.urlsplit(base)
+        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=120)
+        conn.request(method, parsed.path + path, body=None if body is None else json.dumps(body), headers=auth)
+        response = conn.getresponse()
+        payload = response.read()
+        conn.close()
+        if response.status >= 300:
+            raise RuntimeError(f"{method} {path}: {response.status} {payload[:300]!r}")
+        return json.loads(payload) if payload else {}
+
+    kernel = api("POST", "api/kernels", {})
+
+    async def ws_once(ws, session) -> float:
+        started = time.perf_counter()
+        msg = session.msg("execute_request", {"code": "x = 1", "silent": False, "store_history": True,
+                                              "user_expressions": {}, "allow_stdin": False})
+        ws.write_message(serialize_msg_to_ws_v1(msg, "shell", session.pack), binary=True)
+        replied = idle = False
+        while not (replied and idle):
+            channel, parts = deserialize_msg_from_ws_v1(await ws.read_message())
+            if json.loads(parts[1]).get("msg_id") != msg["header"]["msg_id"]:
+                continue
+            header = json.loads(parts[0])
+            replied = replied or (channel == "shell" and header["msg_type"] == "execute_reply")
+            idle = idle or (header["msg_type"] == "status" and json.loads(parts[3])["execution_state"] == "idle")
+        return time.perf_counter() - started
+
+    async def both() -> tuple[list[float], list[float]]:
+        _, km, kc = await bare_kernel_start()
+        url = base.replace("http://", "ws://") + f"api/kernels/{kernel['id']}/channels?session_id=bench"
+        ws = await websocket.websocket_connect(httpclient.HTTPRequest(url, headers=auth),
+                                               subprotocols=["v1.kernel.websocket.jupyter.org"])
+        ws.protocol.set_nodelay(True)  # as browsers do
+        session = Session(session="bench", key=b"")
+        bare, via = [], []
+        try:
+            for _ in range(n_rtt + 10):  # the first 10 of each are warm-up
+                bare.append(await bare_execute_once(kc))
+                via.append(await ws_once(ws, session))
+            return bare[10:], via[10:]
+        finally:
+            ws.close()
+            await bare_stop(km, kc)
+
+    bare, via = asyncio.run(both())
+    results["ws_bare_execute_rtt_ms"] = {"p50": ms(percentile(bare, 50)), "p99": ms(percentile(bare, 99))}
+    results["ws_execute_rtt_ms"] = {"p50": ms(percentile(via, 50)), "p99": ms(percentile(via, 99)), "n": n_rtt}
+    api("DELETE", f"api/kernels/{kernel['id']}")
+
+    log(f"jupyter kernel start: {n_start} x POST /api/kernels, each after its spare had 3 s to get ready")
+    samples, started_ids = [], []
+    for _ in range(n_start):
+        time.sleep(3)
+        started = time.perf_counter()
+        model = api("POST", "api/kernels", {})
+        samples.append(time.perf_counter() - started)
+        if model["execution_state"] != "idle":
+            raise RuntimeError(f"POST /api/kernels answered {model['execution_state']!r}, not idle")
+        for kid in started_ids:
+            api("DELETE", f"api/kernels/{kid}")
+        started_ids = [model["id"]]
+        log(f"  jupyter kernel start {ms(samples[-1])} ms")
+    for kid in started_ids:
+        api("DELETE", f"api/kernels/{kid}")
+    results["jupyter_kernel_start_ms"] = {"p50": ms(percentile(samples, 50)), "max": ms(max(samples)), "n": n_start}
+
+
 def measure_cli(gw: Gateway, n: int, results: dict) -> None:
     log(f"CLI: {n} x `jlk execute` and {n} x bare python start")
     # jlk is run by the same interpreter as the baseline (python3 on PATH may be a slow shim).
@@ -596,6 +675,9 @@ def targets(r: dict) -> dict:
         "command_overhead_p50_ms": target(r["command_overhead_ms"], "<", 15, "< 15"),
         "cli_vs_python_start": target(r["cli_vs_python_start"], "<=", 1.6, "<= 1.6"),
         "execute_rtt_with_busy_agent_vs_idle": target(r["cpu_fairness"]["ratio"], "<=", 2, "<= 2"),
+        "ws_execute_rtt_p50_ms": target(r["ws_execute_rtt_ms"]["p50"], "<=", r["ws_bare_execute_rtt_ms"]["p50"] + 2,
+                                        f"<= bare + 2 = {round(r['ws_bare_execute_rtt_ms']['p50'] + 2, 3)}"),
+        "jupyter_kernel_start_p50_ms": target(r["jupyter_kernel_start_ms"]["p50"], "<", 100, "< 100"),
     }
 
 
@@ -611,9 +693,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     try:
         measure_starts(base, n_start, results)
-        gw = Gateway(base, "main")
+        gw = Gateway(base, "main", "--jupyter-port", "0")
         try:
             measure_execute(gw, n_rtt, results)
+            measure_jupyter(gw, n_rtt, n_spare, results)
             measure_cli(gw, n_cli, results)
             measure_command(gw, n_cmd, results)
             measure_jobs(gw, base, 5 if quick else 10, results)

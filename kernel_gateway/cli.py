@@ -21,6 +21,10 @@ commands:
                         (--root DIR --state-dir DIR --socket PATH --config FILE,
                         --log-level LEVEL, --log-format text|json,
                         any --Gateway.<option>=VALUE; `serve --help-all` lists them)
+                        (--jupyter-port PORT: the Jupyter API on 127.0.0.1, default 8890,
+                        0 = a free port; --no-jupyter turns it off)
+  token AGENT           mint a Jupyter API token for AGENT; print the agent's base URL and the token
+                        (--socket PATH or --state-dir DIR of the running gateway)
   doctor                check that sandboxed kernels can run on this machine
   install-kernelspec    install the sandboxed Python kernel for JupyterLab / jupyter_client
                         (--user, --prefix DIR, --name NAME)
@@ -51,9 +55,11 @@ class ServeApp(Application):
         "config": "ServeApp.config_file",
         "log-level": "Application.log_level",
         "log-format": "ServeApp.log_style",
+        "jupyter-port": "Gateway.jupyter_port",
     }
     flags = {
         "demo": ({"Gateway": {"demo_agent": "demo"}}, "Create the agent 'demo' at start."),
+        "no-jupyter": ({"Gateway": {"jupyter": False}}, "Do not serve the Jupyter API on a TCP port."),
     }
 
     def start(self) -> None:
@@ -98,6 +104,40 @@ def install_kernelspec(argv: list[str]) -> int:
     return 0
 
 
+def token(argv: list[str]) -> int:
+    """Mint a token over the control socket of the running gateway."""
+    import argparse
+
+    from .client import UnixHTTPConnection
+
+    parser = argparse.ArgumentParser(prog="kernel-gateway token", description="Mint a Jupyter API token.")
+    parser.add_argument("agent")
+    parser.add_argument("--socket", help="the control socket (default: <state-dir>/control.sock)")
+    parser.add_argument("--state-dir", default="var/state", help="the gateway's state directory")
+    args = parser.parse_args(argv)
+    socket_path = args.socket or os.path.join(args.state_dir, "control.sock")
+    try:
+        conn = UnixHTTPConnection(socket_path, timeout=30)
+        conn.request("POST", f"/v1/agents/{args.agent}/tokens", body=b"{}")
+        response = conn.getresponse()
+        body = json.loads(response.read() or b"{}")
+    except (OSError, ValueError) as e:
+        print(f"kernel-gateway token: no gateway answers on {socket_path}: {e}", file=sys.stderr)
+        return 1
+    if response.status != 201:
+        error = body.get("error", {})
+        print(f"kernel-gateway token: {error.get('message', response.status)}", file=sys.stderr)
+        if error.get("hint"):
+            print(f"  {error['hint']}", file=sys.stderr)
+        return 1
+    print(f"url:   {body['url'] or '(the Jupyter API is off: serve without --no-jupyter)'}")
+    print(f"token: {body['token']}")
+    print(f"id:    {body['id']}")
+    if body["url"]:
+        print(f"open:  {body['url']}api/kernels?token={body['token']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -114,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kernel-gateway serve: bad option: {e}", file=sys.stderr)
             return 2
         return 0
+    if command == "token":
+        return token(rest)
     if command == "doctor":
         from .doctor import main as doctor_main
 

@@ -47,6 +47,7 @@ class Core:
         self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
         self.info: dict = {}
         self.jobs: Any = None  # the JobManager, set once the server has started it
+        self.jupyter: Any = None  # the Jupyter Server API (JupyterAPI), set likewise
         self._notebook_stores: dict[str, NotebookStore] = {}
 
     # --- tools ------------------------------------------------------------------

@@ -112,6 +112,7 @@ PATH_PARAMS = {
     "name": _param("name", "path", {"type": "string"}, "A variable name in the session's kernel."),
     "skill": _param("skill", "path", {"type": "string"}, "A skill's name (its directory in installed-skills/)."),
     "job": _param("job", "path", {"type": "string"}, "A job id."),
+    "token": _param("token", "path", {"type": "string"}, "A Jupyter API token's id (never the token itself)."),
     "document": _param("document", "path", {"type": "string", "enum": ["SOUL.md", "MISSION.md", "DESIGN.md"]},
                        "One of the agent's documents."),
 }
@@ -339,6 +340,22 @@ ROUTES: dict[str, dict] = {
         put=_op("Replace a document (control socket only): the text, or {\"text\": ...} as JSON.",
                 result=DOCUMENT, if_match=True, errors=("400", "404", "409", "413"),
                 body_types=(JSON, "text/plain"), body=_obj({"text": {"type": "string"}}, ("text",))),
+    ),
+    "/v1/agents/{agent}/tokens": _path(
+        "agent",
+        post=_op("Mint a token for the agent's Jupyter API (control socket only); the secret is shown once.",
+                 ok="201", result=_obj({"id": {"type": "string"}, "token": {"type": "string"},
+                                        "created": {"type": "number"}, "url": {"type": ["string", "null"]}},
+                                       ("id", "token", "created", "url")), body=_obj({})),
+        get=_op("The agent's token ids and creation times, never the secrets (control socket only).",
+                result=_obj({"tokens": {"type": "array", "items": _obj(
+                    {"id": {"type": "string"}, "created": {"type": ["number", "null"]}}, ("id",))},
+                    "url": {"type": ["string", "null"]}}, ("tokens", "url"))),
+    ),
+    "/v1/agents/{agent}/tokens/{token}": _path(
+        "agent", "token",
+        delete=_op("Revoke a token (control socket only).",
+                   result=_obj({"id": {"type": "string"}, "revoked": {"type": "boolean"}}, ("id", "revoked"))),
     ),
     "/v1/agents/{agent}/jobs": _path(
         "agent",

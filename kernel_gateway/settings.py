@@ -15,6 +15,10 @@ from traitlets import Bool, Dict, Float, Int, Unicode
 from traitlets.config import Configurable
 
 
+DEFAULT_JUPYTER_PORT = 8890  # Jupyter Server's own is 8888; ours stays clear of it
+JUPYTER_HOST = "127.0.0.1"  # loopback only: every request there still needs an agent's token
+
+
 class Gateway(Configurable):
     """Settings of one gateway process."""
 
@@ -87,6 +91,13 @@ class Gateway(Configurable):
     )
     demo_agent = Unicode("", config=True, help="Create this agent at start (the quick start uses 'demo').")
     audit_code = Bool(False, config=True, help="Also write the code of each call to the audit log.")
+    jupyter = Bool(True, config=True, help="Serve the Jupyter Server API per agent on a loopback TCP port.")
+    jupyter_port = Int(
+        DEFAULT_JUPYTER_PORT,
+        config=True,
+        help="Loopback TCP port of the Jupyter Server API (0: a free port). If the default port is taken, "
+        "the next free one of the following 50 is used, as Jupyter Server does.",
+    )
 
     def resolved(self) -> "Gateway":
         """Absolute paths, so later chdirs cannot move them."""

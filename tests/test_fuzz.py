@@ -113,7 +113,7 @@ schema = schemathesis.openapi.from_dict(openapi.document(__version__))
 # Half the cases aim at the agent, session and notebook that exist, so the
 # fuzzer gets past 404 into the routes' own validation and work.
 KNOWN = {"agent": AGENT, "session": SESSION, "path": NOTEBOOK, "cell_id": "c1", "name": "x",
-         "skill": "jupyter-live-kernel", "document": "SOUL.md", "job": "j1"}
+         "skill": "jupyter-live-kernel", "document": "SOUL.md", "job": "j1", "token": "0123456789ab"}
 
 
 def _aim(case) -> None:

@@ -21,7 +21,7 @@ from kernel_gateway.server.notebook_routes import NotANotebookHandler
 METHODS = ("get", "put", "post", "patch", "delete")
 # Routes that exist only to answer an error (no .ipynb in a notebook path).
 ERROR_ONLY = {NotANotebookHandler}
-SAMPLES = {"agent": "alice", "session": "s1", "path": "dir/nb.ipynb", "cell_id": "c1", "name": "x",
+SAMPLES = {"token": "0123456789ab", "agent": "alice", "session": "s1", "path": "dir/nb.ipynb", "cell_id": "c1", "name": "x",
            "skill": "my-skill", "document": "SOUL.md", "job": "j1"}
 
 

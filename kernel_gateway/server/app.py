@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import re
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import sys
 from typing import Any
 
 from tornado import httpserver, netutil, web
+from tornado.log import access_log
 
 from .. import __version__
 from ..sandbox import cgroups, quota, seccomp
@@ -26,21 +28,27 @@ from ..sandbox.profile import ProfileError, load_profile
 from ..codex_runner import check_model_profile
 from ..core import Core
 from ..jobs import JobManager
-from ..settings import Gateway
-from . import job_routes, library_routes, notebook_routes, openapi_routes, session_routes, tool_routes
+from ..jupyter_api.service import JupyterAPI
+from ..notebook_runs import notebook_session_id
+from ..settings import DEFAULT_JUPYTER_PORT, JUPYTER_HOST, Gateway
+from . import (job_routes, jupyter_routes, library_routes, notebook_routes, openapi_routes, session_routes,
+               token_routes, tool_routes)
 from .base import NotFoundHandler, log_request, route_label
 from .connections import ConnectionGate
 
 log = logging.getLogger("kernel_gateway")
 
-ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes]
+ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes, token_routes]
+JUPYTER_PORT_RETRIES = 50  # as Jupyter Server's port_retries
 
 
 def make_app(core: Core, scope: str | None = None) -> web.Application:
+    """The app of the control socket (``scope`` None) or of one agent's socket."""
+    routes = [pattern for module in ROUTE_MODULES for pattern in module.routes()]
+    routes += jupyter_routes.routes()  # /agents/{agent}/api/...: Jupyter's own API, not described here
     handlers = [
         (pattern, handler, {"core": core, "scope": scope, "route": route_label(pattern)})
-        for module in ROUTE_MODULES
-        for pattern, handler in module.routes()
+        for pattern, handler in routes
     ]
     return web.Application(
         handlers,
@@ -48,6 +56,29 @@ def make_app(core: Core, scope: str | None = None) -> web.Application:
         default_handler_args={"core": core, "scope": scope},
         log_function=log_request,
     )
+
+
+def make_jupyter_app(core: Core) -> web.Application:
+    """The app of the loopback TCP port: the Jupyter routes only, each behind an agent's token."""
+    args = {"core": core, "scope": None, "tcp": True}
+    return web.Application(
+        [(pattern, handler, args) for pattern, handler in jupyter_routes.routes()],
+        default_handler_class=jupyter_routes.JupyterNotFoundHandler,
+        default_handler_args={"core": core, "scope": None},
+        websocket_max_message_size=64 << 20,
+        log_function=log_request_without_token,
+    )
+
+
+def log_request_without_token(handler: web.RequestHandler) -> None:
+    """Tornado's access log line, with any ?token= value blanked out."""
+    status = handler.get_status()
+    if status < 500:
+        return  # as on the sockets: a flood of refused requests is no flood of log lines
+    log = access_log.error
+    uri = re.sub(r"([?&]token=)[^&]*", r"\1[secret]", handler.request.uri or "")
+    log("%d %s %s (%s) %.2fms", status, handler.request.method, uri, handler.request.remote_ip,
+        1000.0 * handler.request.request_time())
 
 
 def bwrap_version(path: str) -> str:
@@ -67,6 +98,7 @@ class GatewayServer:
         self._stopping = False
         self._cull_task: asyncio.Task | None = None
         self.core: Core | None = None
+        self.jupyter_server: httpserver.HTTPServer | None = None
 
     def _prepare_dirs(self) -> None:
         s = self.settings
@@ -93,6 +125,29 @@ class GatewayServer:
         # Our own accept loop: caps per agent socket, and no spinning when descriptors run out.
         self.gate.listen(sock, server, scope)
         self.servers[scope] = (server, path)
+
+    def _listen_jupyter(self) -> None:
+        """The loopback TCP listener; the default port moves on to a free one, an explicit port must be free."""
+        s = self.settings
+        default = s.jupyter_port == DEFAULT_JUPYTER_PORT
+        ports = [s.jupyter_port + i for i in range(JUPYTER_PORT_RETRIES + 1)] if default else [s.jupyter_port]
+        for port in ports:
+            try:
+                sockets = netutil.bind_sockets(port, JUPYTER_HOST)
+                break
+            except OSError as e:
+                last = e
+        else:
+            raise SystemExit(
+                f"kernel-gateway: cannot listen on {JUPYTER_HOST}:{ports[-1]} for the Jupyter API: {last}; "
+                "choose another --jupyter-port (0: any free one) or --no-jupyter"
+            )
+        server = httpserver.HTTPServer(
+            make_jupyter_app(self.core), max_body_size=s.max_body_size + (1 << 20), idle_connection_timeout=3600
+        )
+        server.add_sockets(sockets)
+        self.jupyter_server = server
+        self.core.jupyter.url = f"http://{JUPYTER_HOST}:{sockets[0].getsockname()[1]}/"
 
     def _agent_created(self, agent: str) -> None:
         if agent not in self.servers:
@@ -169,7 +224,18 @@ class GatewayServer:
                 core.library.ensure_agent(agent)
             except (OSError, ValueError) as e:
                 raise SystemExit(f"kernel-gateway: cannot prepare the Agent Library of {agent!r}: {e}") from None
+        core.jupyter = JupyterAPI(
+            core.sessions,
+            state_dir=s.state_dir,
+            require_agent=core.agents.require_agent,
+            agent_root=core.agents.agent_root,
+            notebook_session_id=notebook_session_id,
+            library=core.library,
+        )
         self._listen(s.socket, None)
+        if s.jupyter:
+            self._listen_jupyter()
+        core.info["jupyter"] = {"url": core.jupyter.url}
         for agent in sorted(core.agents.agents):
             try:
                 self._agent_created(agent)
@@ -190,6 +256,10 @@ class GatewayServer:
         if self._cull_task:
             self._cull_task.cancel()
         self.gate.close_all()
+        if self.jupyter_server is not None:
+            self.jupyter_server.stop()
+        if self.core.jupyter is not None:
+            self.core.jupyter.bridges.close_all()
         if self.core.jobs:
             await self.core.jobs.stop()
         await self.core.close()
@@ -241,6 +311,8 @@ def serve(settings: Gateway) -> int:
     print(f"  process limits: {gateway.core.info['sandbox']['process_limits']}")
     disk = gateway.core.info["sandbox"]["disk_quota"]
     print(f"  disk quota: {disk['mechanism']}" + (f" ({disk['reason']})" if "reason" in disk else f", {disk['size']} bytes per agent"))
+    if gateway.core.jupyter.url:
+        print(f"  Jupyter API: {gateway.core.jupyter.url}agents/<agent>/  (a token: kernel-gateway token <agent>)")
     agent = s.demo_agent or "demo"
     jlk = os.path.join(os.path.dirname(sys.executable), "jlk")
     print("Try, in another terminal:", flush=True)
