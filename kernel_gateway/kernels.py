@@ -21,8 +21,9 @@ from jupyter_client.manager import AsyncKernelManager
 from traitlets.config import Config
 
 from .execution import bound_iopub
+from .kernel_output import KernelOutput
 from .provisioner import kernelspec_dict
-from .sandbox.launch import exit_status
+from .sandbox.launch import RunAs, exit_status
 
 KERNEL_NAME = "python3"
 AGENT_SOCKET_INSIDE = "/run/kernel-gateway.sock"
@@ -72,15 +73,16 @@ class KernelOptions:
     read_only: tuple = ()  # more read-only binds (the Agent Library's), after the profile's
     # The kernel side spills at half the gateway's per-cell budget, so its own marker still fits.
     cell_output_limit: int = 0
+    run_as: RunAs | None = None  # the agent's host uid; None: the gateway's own
 
 
 class Kernel:
     """A running sandboxed kernel and its client."""
 
-    def __init__(self, km: AsyncKernelManager, kc: Any, log: Any):
+    def __init__(self, km: AsyncKernelManager, kc: Any, output: KernelOutput):
         self.km = km
         self.kc = kc
-        self._log = log
+        self.output = output
 
     @classmethod
     async def start(
@@ -102,6 +104,9 @@ class Kernel:
         config.SandboxedKernelProvisioner.bwrap = options.bwrap
         config.SandboxedKernelProvisioner.runtime_root = options.runtime_root
         config.SandboxedKernelProvisioner.cgroup_prefix = options.cgroup_prefix
+        if options.run_as is not None:
+            config.SandboxedKernelProvisioner.uid = options.run_as.uid
+            config.SandboxedKernelProvisioner.gid = options.run_as.gid
         config.SandboxedKernelProvisioner.read_only = [
             {"from": EXTENSION_FILE, "at": f"{EXTENSION_DIR_INSIDE}/{KERNEL_EXTENSION}.py"}
         ] + list(options.read_only)
@@ -122,10 +127,12 @@ class Kernel:
             kernel_spec_manager=KernelSpecManager(kernel_dirs=[options.kernelspec_dir]),
             config=config,
         )
-        os.makedirs(options.log_dir, exist_ok=True)
-        log = open(os.path.join(options.log_dir, f"kernel-{agent}.log"), "ab")
+        os.makedirs(options.log_dir, mode=0o700, exist_ok=True)
+        # The kernel's fds 1 and 2 are a pipe we drain, not the log file itself.
+        output = KernelOutput(os.path.join(options.log_dir, f"kernel-{agent}.log"))
         try:
-            await km.start_kernel(cwd=cwd, stdout=log, stderr=log)
+            await km.start_kernel(cwd=cwd, stdout=output.write_fd, stderr=output.write_fd)
+            output.start()
             kc = km.client()
             bound_iopub(kc)  # a flooding kernel must not fill the gateway's memory through ZMQ's queue
             kc.start_channels()
@@ -137,9 +144,9 @@ class Kernel:
         except Exception:
             if km.has_kernel:
                 await km.shutdown_kernel(now=True)
-            log.close()
+            output.close()
             raise
-        return cls(km, kc, log)
+        return cls(km, kc, output)
 
     async def adopt(self, cwd: str, session_dir: str, session: str) -> None:
         """Move a spare kernel into a session: its cwd and environment, no names left behind."""
@@ -180,4 +187,4 @@ class Kernel:
                 # Already dead: still run the provisioner's cleanup (cgroup, runtime dir).
                 await self.km.cleanup_resources()
         finally:
-            self._log.close()
+            self.output.close()

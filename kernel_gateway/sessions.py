@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import audit, workspace
+from . import agent_uids, audit, workspace
 from .errors import GatewayError, bad_request, disk_full, not_found
 from .execution import KernelDied, OutputCallback, bare_result, run_cell
 from .kernels import KERNEL_NAME, Kernel, KernelOptions, write_kernelspec
-from .library import Library
+from .library import DOCUMENTS, SKILLS_DIR, Library
 from .provisioner import python_env_paths
 from .sandbox import cgroups, quota
 from .sandbox.profile import ProfileError, load_profile
@@ -78,6 +78,14 @@ class SessionManager:
         self._registry_path = os.path.join(settings.state_dir, "registry.json")
         self.library = Library(settings.root, settings.state_dir)  # skills, documents, the kernel gate
         self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
+        self.uids = agent_uids.AgentUids(
+            settings.state_dir,
+            settings.agent_uid_start,
+            settings.agent_uid_count,
+            root=settings.root,
+            max_processes=settings.agent_max_processes,
+            keep=(SKILLS_DIR, *DOCUMENTS),  # the Library's: the operator's, read-only in every sandbox
+        )
         kernelspec_dir = write_kernelspec(settings.state_dir)
         # Names that belong to this state directory, so a restart can sweep what
         # a killed predecessor left (runtime dirs stay short: ipc paths <= 107 bytes).
@@ -95,12 +103,15 @@ class SessionManager:
             cgroup_prefix=self.cgroup_prefix,
             read_only=tuple(self.library.read_only_binds(agent)),
             cell_output_limit=settings.cell_output_limit,
+            run_as=self.uids.run_as(agent),
         )
 
     def sweep_leftovers(self) -> None:
         """Remove runtime dirs and cgroups of kernels of an earlier run (their kernels are gone)."""
         shutil.rmtree(self.runtime_root, ignore_errors=True)
-        os.makedirs(self.runtime_root, mode=0o700, exist_ok=True)
+        # 0711: sandbox uids reach their own (0700) runtime dirs, and cannot list others'.
+        os.makedirs(self.runtime_root, mode=0o711, exist_ok=True)
+        os.chmod(self.runtime_root, 0o711)
         cgroups.sweep(self.cgroup_prefix + "-")
 
     # --- registry ---------------------------------------------------------------
@@ -183,6 +194,7 @@ class SessionManager:
         quota.mount_agent_disk(self.settings, agent)  # the tree goes on the agent's own disk, if it has one
         created = workspace.create_agent_tree(self.settings.root, agent)
         self.library.ensure_agent(agent)
+        self.uids.own_tree(agent, self.agent_root(agent))
         if agent not in self.agents:
             self.agents.add(agent)
             self.on_agent(agent)

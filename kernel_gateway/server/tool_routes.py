@@ -55,6 +55,7 @@ async def run_in_command_sandbox(core: Any, agent: str, request: dict, on_event:
         session_cwd=lambda session: session_cwd(core, agent, session),
         output_limit=core.settings.output_limit,
         bwrap=core.settings.bwrap or None,
+        run_as=sessions.uids.run_as(agent),
     )
 
 
