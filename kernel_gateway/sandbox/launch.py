@@ -228,7 +228,11 @@ class PreparedSandbox:
         return self.compiled.env
 
     def spawn_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for Popen / create_subprocess_exec (with ``*self.argv``)."""
+        """Keyword arguments for Popen / create_subprocess_exec (with ``*self.argv``).
+
+        The sandbox waits, before running anything, until :meth:`started` (or
+        :meth:`started_sync`) releases it; :func:`run_to_end` does all of it.
+        """
         return {
             "env": dict(HOST_ENV),
             "pass_fds": tuple(self.data_fds + self.child_fds),
