@@ -407,13 +407,13 @@ def measure_command(gw: Gateway, n: int, results: dict) -> None:
     log(f"command overhead: {n} x /bin/true through the socket and bare")
     gw.agent("cmd")
     bare, via, inside, profile_only = [], [], [], []
-    sandbox = command_profile_argv(["/bin/true"])
+    profile_only_run = command_profile_runner(["/bin/true"])
     for i in range(n + 5):  # interleaved; the first 5 of each are warm-up
         started = time.perf_counter()
         subprocess.run(["/bin/true"])
         bare.append(time.perf_counter() - started)
         started = time.perf_counter()
-        subprocess.run(sandbox, check=True)
+        profile_only_run()
         profile_only.append(time.perf_counter() - started)
         started = time.perf_counter()
         answer = gw.client.ok("POST", "/v1/agents/cmd/commands", {"argv": ["/bin/true"]})
@@ -463,10 +463,10 @@ def measure_jobs(gw: Gateway, base: str, n: int, results: dict) -> None:
     results["job_overhead_ms"] = ms(percentile(via, 50) - percentile(bare, 50))
 
 
-def command_profile_argv(command: list[str]) -> list[str]:
-    """bwrap with the shipped command profile over a scratch tree, as the gateway compiles it."""
+def command_profile_runner(command: list[str]):
+    """A function running bwrap with the shipped command profile over a scratch tree, as the gateway compiles it."""
     from kernel_gateway.provisioner import python_env_paths
-    from kernel_gateway.sandbox import launch
+    from kernel_gateway.sandbox import launch, seccomp
     from kernel_gateway.sandbox.profile import compile_profile, load_profile
 
     prefix, base = python_env_paths(sys.executable)
@@ -476,8 +476,17 @@ def command_profile_argv(command: list[str]) -> list[str]:
     profile = load_profile("command")
     # Created files become empty ones here: no data fds to hand over.
     profile = {**profile, "sandbox": {**profile["sandbox"], "created_files": []}}
-    compiled = compile_profile(profile, values, bwrap=launch.find_bwrap())
-    return compiled.argv[:-1] + launch.env_argv(compiled.env) + ["--"] + command
+
+    def run() -> None:
+        filter_fd = seccomp.filter_fd(profile["sandbox"].get("nested_userns", False))  # read once by bwrap
+        try:
+            compiled = compile_profile(profile, values, bwrap=launch.find_bwrap(), seccomp_fd=filter_fd)
+            argv = compiled.argv[:-1] + launch.env_argv(compiled.env) + ["--"] + command
+            subprocess.run(argv, check=True, pass_fds=(filter_fd,), env=launch.HOST_ENV)
+        finally:
+            os.close(filter_fd)
+
+    return run
 
 
 def measure_memory(base: str, idle: int, results: dict) -> None:
