@@ -435,6 +435,7 @@ class JobManager:
             cgroup_name=f"{self.sessions.cgroup_prefix}-job-{job.id}",
             output_limit=self.settings.output_limit,
             patch_limit=self.settings.job_patch_limit,
+            run_as=self.sessions.uids.run_as(job.agent),  # the agent's own host uid
         )
 
     def _schedule(self) -> None:

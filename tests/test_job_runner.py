@@ -38,6 +38,7 @@ def setup(tmp_path):
         job_profile=load_profile("job"),
         bwrap=None,
         cgroup_name=f"{sessions.cgroup_prefix}-job-test",
+        run_as=sessions.uids.run_as("alice"),  # as the gateway's jobs do: the agent's own uid
     )
     return ctx, job, bob_files
 

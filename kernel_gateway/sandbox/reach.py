@@ -200,3 +200,17 @@ def reachable(source: str, uid: int, gid: int) -> str:
     if len(_answers) < 4096:  # on every spawn's path: each bind source is looked at once
         _answers[key] = answer
     return answer
+
+
+def alias_of_fd(fd: int, uid: int, gid: int) -> str | None:
+    """An alias bound from an already opened (pinned) fd, or None when ``uid`` reaches its path.
+
+    bwrap resolves ``--bind-fd`` through the fd's path, with its own uid.
+    """
+    real = os.readlink(f"/proc/self/fd/{fd}")
+    if not real.startswith("/") or can_search(real, uid, gid):
+        return None
+    with _lock:
+        if real not in _aliases:
+            _aliases[real] = _mount_alias(real, fd)
+        return _aliases[real]
