@@ -191,7 +191,11 @@ def reachable(source: str, uid: int, gid: int) -> str:
         return known
     real = os.path.realpath(source)
     if not os.path.exists(real):
-        return source  # not remembered: it may appear later
+        # Not remembered: it may appear later.  Where the uid could not even look, bwrap would
+        # fail with EACCES instead of skipping a missing --bind-try source: give it a missing path.
+        if can_search(real, uid, gid):
+            return source
+        return os.path.join(_alias_dir(), "missing-" + hashlib.sha256(real.encode()).hexdigest()[:24])
     if real != os.path.normpath(source) or can_search(real, uid, gid):
         answer = source
     else:
