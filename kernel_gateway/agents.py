@@ -15,9 +15,9 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import workspace
+from . import agent_uids, workspace
 from .errors import GatewayError, not_found
-from .library import Library
+from .library import DOCUMENTS, SKILLS_DIR, Library
 from .provisioner import python_env_paths
 from .sandbox import quota
 from .sandbox.profile import ProfileError, load_profile
@@ -35,6 +35,15 @@ class AgentRegistry:
     def __init__(self, settings: Gateway, library: Library):
         self.settings = settings
         self.library = library
+        # One unprivileged host uid per agent, owning its tree (the gateway's own uid when not root).
+        self.uids = agent_uids.AgentUids(
+            settings.state_dir,
+            settings.agent_uid_start,
+            settings.agent_uid_count,
+            root=settings.root,
+            max_processes=settings.agent_max_processes,
+            keep=(SKILLS_DIR, *DOCUMENTS),  # the Library's: the operator's, read-only in every sandbox
+        )
         self.agents: set[str] = set()
         # Binds the agent's socket; set by the server.  Raises OSError when it cannot.
         self.on_agent: Callable[[str], Any] = lambda agent: None
@@ -62,6 +71,7 @@ class AgentRegistry:
         quota.mount_agent_disk(self.settings, agent)  # the tree goes on the agent's own disk, if it has one
         created = workspace.create_agent_tree(self.settings.root, agent)
         self.library.ensure_agent(agent)
+        self.uids.own_tree(agent, self.agent_root(agent))
         if agent not in self.agents:
             try:
                 self.on_agent(agent)

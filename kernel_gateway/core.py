@@ -42,6 +42,7 @@ class Core:
         self.library = Library(settings.root, settings.state_dir)  # skills, documents, the kernel gate
         self.agents = AgentRegistry(settings, self.library)
         self.pool = KernelPool(settings, self.agents.agent_root, self.agents.agent_socket, self.library)
+        self.pool.run_as = self.agents.uids.run_as
         self.sessions = Sessions(settings, self.agents, self.pool, self.library)
         self.culler = Culler(settings, self.sessions)
         self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
@@ -69,6 +70,7 @@ class Core:
             output_limit=self.settings.output_limit,
             bwrap=self.settings.bwrap or None,
             max_stdin=max_stdin,
+            run_as=agents.uids.run_as(agent),
         )
 
     def session_cwd(self, agent: str, session: str) -> str:

@@ -147,6 +147,7 @@ def check_python_in_sandbox(bwrap: str, python: str) -> Check:
                 text=True, **prepared.spawn_kwargs(),
             )  # fmt: skip
             prepared.spawned()
+            prepared.started_sync(proc.pid)
             try:
                 out, err = proc.communicate(timeout=60)
             except subprocess.TimeoutExpired:
@@ -250,8 +251,7 @@ def check_walls(bwrap: str, python: str) -> list[Check]:
         }  # fmt: skip
         prepared = launch.prepare(load_profile("command"), values, [python, "-c", WALLS_PROBE], bwrap=bwrap, name="doctor")
         try:
-            result = _run(prepared.argv, **prepared.spawn_kwargs())
-            prepared.spawned()
+            result = launch.run_to_end(prepared, timeout=30)
         finally:
             prepared.cleanup()
     seen = dict(line.split() for line in result.stdout.splitlines() if len(line.split()) == 2)
@@ -302,6 +302,58 @@ def check_disk_quota() -> Check:
     return Check("disk quota", True, f"available: {quota.MECHANISM} (on with --Gateway.disk_quota=SIZE)")
 
 
+def check_uid_mode(bwrap: str, python: str, uid_start: int) -> Check:
+    """Which host uid sandboxes run as; as root, a test sandbox really runs as the first agent uid."""
+    from .agent_uids import own_tree
+    from .provisioner import python_env_paths
+
+    if os.geteuid() != 0:
+        return Check("uid", True, f"sandboxes run as the gateway's own uid {os.geteuid()} (it is not root)")
+    if uid_start <= 0:
+        return Check(
+            "uid", True, "sandboxes run as host root (--Gateway.agent_uid_start=0)",
+            "leave --Gateway.agent_uid_start at its default (200000) so each agent gets its own uid",
+            warning=True,
+        )  # fmt: skip
+    prefix, base = python_env_paths(python)
+    run_as = launch.RunAs(uid_start, uid_start)
+    with tempfile.TemporaryDirectory(prefix="kg-doctor-") as scratch:
+        tree = os.path.join(scratch, "agent")
+        os.mkdir(tree)
+        own_tree(tree, uid_start, uid_start)
+        values = {
+            "agent": "doctor", "agent_root": tree, "workspace": tree, "python_prefix": prefix,
+            "python_base_prefix": base, "python_bin": os.path.join(prefix, "bin"),
+        }  # fmt: skip
+        try:
+            prepared = launch.prepare(
+                load_profile("command"), values, ["/bin/sh", "-c", "touch probe"], bwrap=bwrap, name="doctor", run_as=run_as
+            )
+        except launch.SandboxUnavailable as e:
+            return Check("uid", False, str(e), "install util-linux (prlimit, setpriv)")
+        try:
+            proc = subprocess.Popen(
+                prepared.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, **prepared.spawn_kwargs(),
+            )  # fmt: skip
+            prepared.spawned()
+            prepared.started_sync(proc.pid)
+            _out, err = proc.communicate(timeout=60)
+        finally:
+            prepared.cleanup()
+        try:
+            owner = os.stat(os.path.join(tree, "probe")).st_uid
+        except OSError:
+            owner = None
+    if proc.returncode != 0 or owner != uid_start:
+        return Check(
+            "uid", False,
+            f"a sandbox could not run as host uid {uid_start}: {err.strip() or f'exit status {proc.returncode}'}",
+            "unprivileged bwrap needs user namespaces for that uid (see the user namespaces check)",
+        )  # fmt: skip
+    return Check("uid", True, f"sandboxes run as per-agent host uids from {uid_start}")
+
+
 def check_caps() -> Check:
     mechanism = cgroups.describe()
     if mechanism is None:
@@ -337,8 +389,12 @@ def check_codex(path: str) -> Check:
     return Check("codex", True, f"{result.stdout.strip()} at {os.path.realpath(path)} (runs codex jobs)")
 
 
-def run_checks(bwrap: str | None = None, codex: str | None = None) -> list[Check]:
+def run_checks(bwrap: str | None = None, codex: str | None = None, uid_start: int | None = None) -> list[Check]:
     """Every check, in order; later sandbox checks are left out once one fails."""
+    if uid_start is None:
+        from .settings import Gateway
+
+        uid_start = Gateway().agent_uid_start
     python = sys.executable
     bwrap_check, path = check_bwrap(bwrap)
     checks = [bwrap_check]
@@ -352,6 +408,7 @@ def run_checks(bwrap: str | None = None, codex: str | None = None) -> list[Check
             if checks[-1].ok:
                 checks.append(check_kernel(path, python))
                 checks.extend(check_walls(path, python))
+                checks.append(check_uid_mode(path, python, uid_start))
     checks += [check_caps(), check_cpu(), check_disk_quota()]
     codex = codex or shutil.which("codex")
     if codex:  # codex jobs are optional: reported when a binary is named or on PATH
@@ -374,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bwrap", metavar="PATH", help="bwrap to check (default: the one on PATH)")
     parser.add_argument("--codex", metavar="PATH", help="the Codex binary of codex jobs (default: codex on PATH)")
     parser.add_argument("--json", action="store_true", help="print the checks as a JSON list")
+    parser.add_argument(
+        "--uid-start", type=int, default=None, metavar="UID", help="the gateway's agent_uid_start (default 200000)"
+    )
     args = parser.parse_args(argv)
-    checks = run_checks(args.bwrap, args.codex)
+    checks = run_checks(args.bwrap, args.codex, args.uid_start)
     if args.json:
         print(json.dumps([asdict(check) for check in checks], indent=2))
     else:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import GatewayError, conflict
-from .sandbox import launch
+from .sandbox import launch, reach
 from .sandbox.profile import parse_duration
 from .tools import workspace_paths
 from .tools.command import run_command
@@ -156,6 +156,7 @@ class Context:
     cgroup_name: str
     output_limit: int = 65536
     patch_limit: int = 64 << 20
+    run_as: launch.RunAs | None = None  # the host uid the job's sandboxes run as; None: the gateway's
 
 
 @dataclass
@@ -210,6 +211,7 @@ async def _in_command_sandbox(ctx: Context, argv: list[str], cwd: str, stdin: st
         output_limit=ctx.output_limit,
         max_stdin=ctx.patch_limit,
         bwrap=ctx.bwrap,
+        run_as=ctx.run_as,
     )
 
 
@@ -275,13 +277,23 @@ def _pin(ctx: Context, rel: str) -> int:
     return fd
 
 
+def _fd_bind(option: str, fd: int, at: str, run_as: launch.RunAs | None) -> list[str]:
+    """Bind a pinned fd; an unprivileged bwrap that could not reach its path gets an alias of that fd."""
+    if run_as is not None:
+        alias = reach.alias_of_fd(fd, run_as.uid, run_as.gid)
+        if alias is not None:
+            return [option, alias, at]  # the alias holds the directory: the fd is not passed on
+    return [f"{option}-fd", str(fd), at]
+
+
 def _bind_pinned(prepared: launch.PreparedSandbox, command_len: int, directory: str, job_fd: int,
                  read_only: list[tuple[int, str]]) -> None:
     """Bind the job directory from its fd, then ``read_only`` (fd, path) pairs over it."""
     argv = prepared.argv
     for i in range(len(argv) - command_len - 2):
-        if argv[i] == "--bind" and argv[i + 1] == directory and argv[i + 2] == directory:
-            argv[i:i + 3] = ["--bind-fd", str(job_fd), directory]
+        # The source may already be an alias the sandbox's uid can reach (launch.prepare).
+        if argv[i] == "--bind" and argv[i + 2] == directory:
+            argv[i:i + 3] = _fd_bind("--bind", job_fd, directory, prepared.run_as)
             break
     else:
         raise RuntimeError("the job profile does not bind $$job_dir$$ read-write")
@@ -290,9 +302,14 @@ def _bind_pinned(prepared: launch.PreparedSandbox, command_len: int, directory: 
         raise RuntimeError("unexpected sandbox argv: no '--' before the command")
     extra: list[str] = []
     for fd, path in read_only:
-        extra += ["--ro-bind-fd", str(fd), path]
+        extra += _fd_bind("--ro-bind", fd, path, prepared.run_as)
     argv[at:at] = extra
-    prepared.data_fds += [job_fd] + [fd for fd, _ in read_only]  # passed to bwrap, closed once spawned
+    # The fds bwrap binds are passed to it and closed once spawned; those bound through an alias now.
+    for fd in [job_fd] + [fd for fd, _ in read_only]:
+        if any(argv[i] in ("--bind-fd", "--ro-bind-fd") and argv[i + 1] == str(fd) for i in range(len(argv) - 1)):
+            prepared.data_fds.append(fd)
+        else:
+            os.close(fd)
 
 
 async def _in_job_sandbox(ctx: Context, job: Any, profile: dict, argv: list[str], env: dict,
@@ -304,7 +321,7 @@ async def _in_job_sandbox(ctx: Context, job: Any, profile: dict, argv: list[str]
     try:
         fds += [_pin(ctx, os.path.join(job.workspace, rel)) for rel in read_only]
         prepared = launch.prepare(profile, _job_values(ctx, job), argv, bwrap=ctx.bwrap,
-                                  name=ctx.cgroup_name, extra_env=env)
+                                  name=ctx.cgroup_name, extra_env=env, run_as=ctx.run_as)
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -320,6 +337,14 @@ async def _in_job_sandbox(ctx: Context, job: Any, profile: dict, argv: list[str]
         prepared.cleanup()
         raise
     prepared.spawned()
+    try:
+        await prepared.started(process.pid)  # into its cgroup, then released from --block-fd
+    except BaseException:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        prepared.cleanup()
+        raise
     ended = None
     waiter = asyncio.ensure_future(process.wait())
     waits = {waiter}
@@ -342,8 +367,7 @@ async def _in_job_sandbox(ctx: Context, job: Any, profile: dict, argv: list[str]
                 pass
             await process.wait()
         # Whatever is left in the cgroup (nothing, once the namespace is gone) is killed too.
-        if not prepared.cleanup(timeout=0):
-            await asyncio.to_thread(prepared.cleanup)
+        await prepared.finish()
     return process.returncode, ended, prepared
 
 

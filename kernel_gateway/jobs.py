@@ -437,6 +437,7 @@ class JobManager:
             cgroup_name=f"{self.pool.cgroup_prefix}-job-{job.id}",
             output_limit=self.settings.output_limit,
             patch_limit=self.settings.job_patch_limit,
+            run_as=self.agents.uids.run_as(job.agent),  # the agent's own host uid
         )
 
     def _schedule(self) -> None:

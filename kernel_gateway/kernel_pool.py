@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Callable
+from typing import Any, Callable
 
 from .kernels import Kernel, KernelOptions, write_kernelspec
 from .library import Library
@@ -48,6 +48,8 @@ class KernelPool:
         self.spares: dict[str, Kernel] = {}
         self._spare_tasks: dict[str, asyncio.Task] = {}
         self.is_agent: Callable[[str], bool] = lambda agent: True
+        # The host uid an agent's sandboxes run as (None: the gateway's own); set by the core.
+        self.run_as: Callable[[str], Any] = lambda agent: None
         # Called with a kernel the watcher found dead (its session learns it on its next use).
         self.on_death: Callable[[Kernel], None] = lambda kernel: None
         self._kernelspec_dir = write_kernelspec(settings.state_dir)
@@ -70,12 +72,15 @@ class KernelPool:
             cgroup_prefix=self.cgroup_prefix,
             read_only=tuple(self.library.read_only_binds(agent)),
             cell_output_limit=s.cell_output_limit,
+            run_as=self.run_as(agent),
         )
 
     def sweep_leftovers(self) -> None:
         """Remove runtime dirs and cgroups of kernels of an earlier run (their kernels are gone)."""
         shutil.rmtree(self.runtime_root, ignore_errors=True)
-        os.makedirs(self.runtime_root, mode=0o700, exist_ok=True)
+        # 0711: sandbox uids reach their own (0700) runtime dirs, and cannot list others'.
+        os.makedirs(self.runtime_root, mode=0o711, exist_ok=True)
+        os.chmod(self.runtime_root, 0o711)
         cgroups.sweep(self.cgroup_prefix + "-")
 
     def get(self, kernel_id: str) -> Kernel | None:

@@ -29,8 +29,9 @@ from jupyter_client.session import Session
 from traitlets.config import Config
 
 from .execution import bound_iopub
+from .kernel_output import KernelOutput
 from .provisioner import kernelspec_dict
-from .sandbox.launch import exit_status
+from .sandbox.launch import RunAs, exit_status
 
 log = logging.getLogger("kernel_gateway.kernels")
 
@@ -84,6 +85,7 @@ class KernelOptions:
     read_only: tuple = ()  # more read-only binds (the Agent Library's), after the profile's
     # The kernel side spills at half the gateway's per-cell budget, so its own marker still fits.
     cell_output_limit: int = 0
+    run_as: RunAs | None = None  # the agent's host uid; None: the gateway's own
 
 
 class Kernel:
@@ -97,10 +99,10 @@ class Kernel:
     ``last_activity``, as jupyter_server's ``start_watching_activity`` does.
     """
 
-    def __init__(self, km: AsyncKernelManager, kc: Any, log: Any, *, agent: str = "", kernel_id: str = ""):
+    def __init__(self, km: AsyncKernelManager, kc: Any, output: KernelOutput, *, agent: str = "", kernel_id: str = ""):
         self.km = km
         self.kc = kc
-        self._log = log
+        self.output = output  # the kernel's stdout and stderr, drained from a pipe
         self.id = kernel_id or str(uuid.uuid4())
         self.agent = agent
         self.execution_state = "starting"
@@ -133,6 +135,9 @@ class Kernel:
         config.SandboxedKernelProvisioner.bwrap = options.bwrap
         config.SandboxedKernelProvisioner.runtime_root = options.runtime_root
         config.SandboxedKernelProvisioner.cgroup_prefix = options.cgroup_prefix
+        if options.run_as is not None:
+            config.SandboxedKernelProvisioner.uid = options.run_as.uid
+            config.SandboxedKernelProvisioner.gid = options.run_as.gid
         config.SandboxedKernelProvisioner.read_only = [
             {"from": EXTENSION_FILE, "at": f"{EXTENSION_DIR_INSIDE}/{KERNEL_EXTENSION}.py"}
         ] + list(options.read_only)
@@ -153,14 +158,16 @@ class Kernel:
             kernel_spec_manager=KernelSpecManager(kernel_dirs=[options.kernelspec_dir]),
             config=config,
         )
-        os.makedirs(options.log_dir, exist_ok=True)
-        kernel_log = open(os.path.join(options.log_dir, f"kernel-{agent}.log"), "ab")
+        os.makedirs(options.log_dir, mode=0o700, exist_ok=True)
+        # The kernel's fds 1 and 2 are a pipe we drain, not the log file itself.
+        output = KernelOutput(os.path.join(options.log_dir, f"kernel-{agent}.log"))
         try:
-            await km.start_kernel(cwd=cwd, stdout=kernel_log, stderr=kernel_log)
+            await km.start_kernel(cwd=cwd, stdout=output.write_fd, stderr=output.write_fd)
+            output.start()
             kc = km.client()
             bound_iopub(kc)  # a flooding kernel must not fill the gateway's memory through ZMQ's queue
             kc.start_channels()
-            kernel = cls(km, kc, kernel_log, agent=agent)
+            kernel = cls(km, kc, output, agent=agent)
             # Watching starts before the kernel answers, so its first statuses are seen.
             kernel._start_watching()
             try:
@@ -182,7 +189,7 @@ class Kernel:
             except Exception:
                 log.exception("cleaning up after a failed kernel start of agent %s", agent)
             finally:
-                kernel_log.close()
+                output.close()
             raise
         return kernel
 
@@ -358,4 +365,4 @@ class Kernel:
                 await self.km.cleanup_resources()
         finally:
             self.execution_state = "dead"
-            self._log.close()
+            self.output.close()

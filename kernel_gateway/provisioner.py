@@ -29,7 +29,7 @@ from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import LocalProvisioner
-from traitlets import Dict, List, Unicode
+from traitlets import Dict, Int, List, Unicode
 
 from .sandbox import launch
 from .sandbox.profile import load_profile, validate_profile
@@ -59,6 +59,8 @@ class SandboxedKernelProvisioner(LocalProvisioner):
     bwrap = Unicode("", config=True, help="Path of bwrap; default: found on PATH.")
     runtime_root = Unicode("", config=True, help="Where per-kernel runtime dirs go; default: /tmp.")
     cgroup_prefix = Unicode("kernel", config=True, help="Name prefix of the kernel's cgroup.")
+    uid = Int(-1, config=True, help="Host uid the sandbox runs as; -1: this process's own.")
+    gid = Int(-1, config=True, help="Host gid the sandbox runs as; -1: the same number as uid.")
     values = Dict(config=True, help="Extra placeholder values for the profile.")
     env = Dict(config=True, help="Extra environment variables inside the sandbox.")
     read_write = List(config=True, help='Extra paths bound read-write (a path, or {"from", "at"}).')
@@ -94,13 +96,31 @@ class SandboxedKernelProvisioner(LocalProvisioner):
         return validate_profile(profile, extra_placeholders=list(self.values))
 
     def _sandbox_env(self, host_env: dict[str, str]) -> dict[str, str]:
+        """The allow-listed variables; they go inside the sandbox only (bwrap --setenv)."""
         env = {
             k: v
             for k, v in host_env.items()
             if k.startswith(PASSED_ENV_PREFIXES) or k in PASSED_ENV_NAMES or k in self.kernel_spec.env
         }
         env.update({k: str(v) for k, v in self.env.items()})
-        return env
+        return {k: v for k, v in env.items() if launch.check_env_name(k) and "\0" not in v}
+
+    def _run_as(self) -> launch.RunAs | None:
+        if self.uid < 0:
+            return None
+        return launch.RunAs(self.uid, self.gid if self.gid >= 0 else self.uid)
+
+    def _hand_over_runtime_dir(self, run_as: launch.RunAs | None) -> None:
+        """The kernel creates its ipc sockets there and reads its connection file."""
+        if run_as is None or self.runtime_dir is None:
+            return
+        os.chown(self.runtime_dir, run_as.uid, run_as.gid, follow_symlinks=False)
+        connection_file = getattr(self.parent, "connection_file", "")
+        if connection_file and os.path.dirname(connection_file) == self.runtime_dir:
+            try:
+                os.chown(connection_file, run_as.uid, run_as.gid, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         km = self.parent
@@ -125,6 +145,8 @@ class SandboxedKernelProvisioner(LocalProvisioner):
                     "is not an executable file; reinstall the environment or fix the kernelspec's argv"
                 )
             profile = self._load_profile()
+            run_as = self._run_as()
+            self._hand_over_runtime_dir(run_as)
             self._prepared = launch.prepare(
                 profile,
                 self._placeholder_values(cwd, cmd[0]),
@@ -132,6 +154,7 @@ class SandboxedKernelProvisioner(LocalProvisioner):
                 bwrap=self.bwrap or None,
                 name=f"{self.cgroup_prefix}-{self.kernel_id[:8]}",
                 extra_env=self._sandbox_env(kwargs["env"]),
+                run_as=run_as,
             )
         except Exception:
             # The kernel manager never calls cleanup() when pre_launch fails.
@@ -157,6 +180,13 @@ class SandboxedKernelProvisioner(LocalProvisioner):
             self._release()  # nor when the launch fails
             raise
         self._prepared.spawned()
+        try:
+            await self._prepared.started(self.process.pid)
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            self._release()
+            raise
         self.pid = self.pgid = self.process.pid
         self.cwd = kwargs.get("cwd")
         return self.connection_info
@@ -164,8 +194,7 @@ class SandboxedKernelProvisioner(LocalProvisioner):
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
         if self._prepared is not None:
-            # Stragglers are killed and waited for without holding the event loop.
-            await self._prepared.cleanup_async()
+            await self._prepared.finish()  # the cgroup empties without blocking the loop
         self._release(keep_runtime_dir=restart)
 
     def _release(self, keep_runtime_dir: bool = False) -> None:

@@ -89,6 +89,17 @@ class Gateway(Configurable):
     agent_model_profiles = Dict(
         config=True, help='Per-agent model profile choices: {"alice": {"jobs": "name", "heavy": "name"}}.'
     )
+    agent_uid_start = Int(
+        200000,
+        config=True,
+        help="First host uid of agents' sandboxes when the gateway runs as root (one per agent; 0: run as root).",
+    )
+    agent_uid_count = Int(65536, config=True, help="How many host uids from agent_uid_start agents may take.")
+    agent_max_processes = Int(
+        2048,
+        config=True,
+        help="RLIMIT_NPROC of an agent's own uid: all its sandboxes' processes and threads together (0: none).",
+    )
     demo_agent = Unicode("", config=True, help="Create this agent at start (the quick start uses 'demo').")
     audit_code = Bool(False, config=True, help="Also write the code of each call to the audit log.")
     jupyter = Bool(True, config=True, help="Serve the Jupyter Server API per agent on a loopback TCP port.")

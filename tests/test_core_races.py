@@ -241,7 +241,7 @@ def test_sandbox_cleanup_does_not_hold_the_loop(tmp_path):
 
     async def scenario() -> int:
         ticks = 0
-        cleanup = asyncio.ensure_future(prepared.cleanup_async(timeout=1.0))
+        cleanup = asyncio.ensure_future(prepared.finish(timeout=1.0))
         while not cleanup.done():
             await asyncio.sleep(0.01)
             ticks += 1

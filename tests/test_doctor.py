@@ -25,6 +25,7 @@ NAMES = [
     "sandboxed kernel",
     "seccomp filter",
     "nested user namespaces",
+    "uid",
     "process and memory caps",
     "CPU weight",
     "disk quota",
@@ -69,10 +70,19 @@ def test_every_check_passes_here():
     assert checks[5].detail.startswith("on in the shipped profiles: 53 syscalls denied with EPERM (libseccomp, ")
     assert checks[5].detail.endswith("; keyctl refused inside a sandbox")
     assert checks[6].detail == "off: bwrap --disable-userns; unshare(CLONE_NEWUSER) refused (EPERM)"
-    assert checks[7].detail == "cgroup v1 (pids, memory, cpu)"
-    assert checks[8].detail.startswith("cgroup v1 cpu.shares, cpu.cfs_quota_us: equal weight per agent")
-    assert checks[9].detail.startswith("available: ext4 image per agent, loop-mounted nosuid,nodev")
+    assert checks[8].detail == "cgroup v1 (pids, memory, cpu)"
+    assert checks[9].detail.startswith("cgroup v1 cpu.shares, cpu.cfs_quota_us: equal weight per agent")
+    assert checks[10].detail.startswith("available: ext4 image per agent, loop-mounted nosuid,nodev")
+    assert checks[7].detail == "sandboxes run as per-agent host uids from 200000"
     assert leftovers() <= before
+
+
+def test_uid_mode_is_reported_and_root_sandboxes_are_a_warning():
+    python = sys.executable
+    check = doctor.check_uid_mode("/usr/bin/bwrap", python, 230000)
+    assert (check.ok, check.warning, check.detail) == (True, False, "sandboxes run as per-agent host uids from 230000")
+    root = doctor.check_uid_mode("/usr/bin/bwrap", python, 0)
+    assert root.ok and root.warning and "host root" in root.detail
 
 
 def test_cli_prints_ok_lines_and_exits_0():

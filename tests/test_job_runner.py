@@ -38,6 +38,7 @@ def setup(tmp_path):
         job_profile=load_profile("job"),
         bwrap=None,
         cgroup_name=f"{core.pool.cgroup_prefix}-job-test",
+        run_as=core.agents.uids.run_as("alice"),  # as the gateway's jobs do: the agent's own uid
     )
     return ctx, job, bob_files
 

@@ -34,6 +34,10 @@ def make_repo(gw, agent: str = "alice", files: dict | None = None) -> tuple[str,
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     path.mkdir(parents=True, exist_ok=True)
+    # The agent's own files, as if it had written them (its sandboxes run as its uid).
+    owner = os.stat(pathlib.Path(gw.root) / agent)
+    for where in [path, *path.rglob("*")]:
+        os.chown(where, owner.st_uid, owner.st_gid, follow_symlinks=False)
     return rel, path
 
 

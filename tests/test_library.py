@@ -321,13 +321,32 @@ ATTEMPTS = {
 }
 
 
+def assert_read_only_mounts(gw, agent, paths):
+    """Each path is a read-only mount inside the agent's sandbox (whatever refuses a write first)."""
+    mounts = command(gw, "cat /proc/self/mountinfo", agent=agent)["stdout"]
+    options = {line.split()[4]: line.split()[5].split(",") for line in mounts.splitlines()}
+    for path in paths:
+        assert "ro" in options.get(path, []), (path, options.get(path))
+
+
+def test_the_library_is_mounted_read_only_in_every_sandbox(gw):
+    top = os.path.join(gw.root, "alice")
+    assert_read_only_mounts(
+        gw, "alice", [os.path.join(top, "installed-skills"), skill_dir(gw)] + [os.path.join(top, n) for n in ("SOUL.md", "MISSION.md", "DESIGN.md")]
+    )
+    mounts = run(gw, "print(open('/proc/self/mountinfo').read())")["text"]
+    options = {line.split()[4]: line.split()[5].split(",") for line in mounts.splitlines() if line.strip()}
+    assert "ro" in options[skill_dir(gw)] and "ro" in options[os.path.join(top, "SOUL.md")]
+
+
 @pytest.mark.parametrize("what", sorted(ATTEMPTS))
 def test_the_agent_cannot_change_its_library_from_a_command(gw, what):
     before = snapshot(os.path.join(gw.root, "alice"))
     line = ATTEMPTS[what].format(d=skill_dir(gw), top=os.path.join(gw.root, "alice"))
     result = command(gw, line + "; echo rc=$?")
     assert "rc=0" not in result["stdout"], result
-    assert "Read-only file system" in result["stderr"] or "busy" in result["stderr"], result
+    # The sandbox runs as the agent's own uid: files of the operator's also refuse by ownership first.
+    assert any(why in result["stderr"] for why in ("Read-only file system", "busy", "Permission denied")), result
     after = snapshot(os.path.join(gw.root, "alice"))
     assert {k: v for k, v in after.items() if not k.startswith(".kernel-gateway")} == {
         k: v for k, v in before.items() if not k.startswith(".kernel-gateway")}
@@ -359,7 +378,7 @@ print(errors)
     import errno
     text = run(gw, code)["text"]
     assert "allowed" not in text, text
-    assert set(eval(text)) <= {errno.EROFS, errno.EBUSY}, text
+    assert set(eval(text)) <= {errno.EROFS, errno.EBUSY, errno.EACCES}, text
     assert tree_bytes(skill_dir(gw)) == package_files()
     assert open(os.path.join(top, "SOUL.md")).read() == ""
 
@@ -493,8 +512,10 @@ def test_user_skill_install_list_disable_replace_remove(gw):
     assert tree_bytes(installed) == {k: v.encode() for k, v in files.items()}
     names = [s["name"] for s in c.call("GET", "/v1/agents/bob/skills")[1]["skills"]]
     assert names == [SKILL, "csv-tools"]
-    # Read-only to the agent, like the builtin one.
-    assert "Read-only" in command(gw, f"echo x >> {installed}/SKILL.md", agent="bob")["stderr"]
+    # Read-only to the agent, like the builtin one (and the operator's file, not the agent's).
+    refused = command(gw, f"echo x >> {installed}/SKILL.md", agent="bob")["stderr"]
+    assert "Read-only" in refused or "Permission denied" in refused, refused
+    assert_read_only_mounts(gw, "bob", [os.path.join(gw.root, "bob", "installed-skills")])
 
     status, body = c.call("PATCH", "/v1/agents/bob/skills/csv-tools", {"enabled": False})
     assert status == 200 and body["enabled"] is False
@@ -612,7 +633,9 @@ def test_documents_round_trip_with_etags(gw):
     c.call("PUT", "/v1/agents/bob/documents/MISSION.md", {"text": "v3\n"}, headers={"Content-Type": "application/json"})
     seen = run(gw, f"print(open({path!r}).read(), end='')\ntry:\n    open({path!r}, 'a')\nexcept OSError as e:\n"
                    f"    print(e.strerror)", agent="bob", session="doc")
-    assert seen["text"] == "v3\nRead-only file system\n"
+    # Refused by the root-owned file before the read-only mount is reached (both hold; the
+    # mount is checked on its own in test_the_library_is_mounted_read_only_in_every_sandbox).
+    assert seen["text"] in ("v3\nRead-only file system\n", "v3\nPermission denied\n"), seen
 
     # A stale If-Match: 409, the file untouched.
     status, body = c.call("PUT", "/v1/agents/bob/documents/MISSION.md", raw=b"lost update",

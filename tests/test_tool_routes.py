@@ -85,6 +85,8 @@ def test_a_command_for_a_session_without_a_kernel_starts_in_its_directory(gw):
 def test_a_command_for_a_notebooks_session_runs_in_the_notebooks_folder(gw):
     path = "/v1/agents/alice/notebooks/user-files/nbdir/cmd.ipynb"
     os.makedirs(os.path.join(gw.root, "alice", "user-files", "nbdir"), exist_ok=True)
+    owner = os.stat(os.path.join(gw.root, "alice"))  # the agent's folder, as if it had made it
+    os.chown(os.path.join(gw.root, "alice", "user-files", "nbdir"), owner.st_uid, owner.st_gid)
     gw.client.call("PUT", path, NOTEBOOK)
     cell = gw.client.call("POST", path + "/cells", {"index": 0, "source": "open('near.txt', 'w').write('n')"})[1]["id"]
     assert gw.client.call("POST", f"{path}/cells/{cell}/execute", {})[1]["status"] == "ok"

@@ -28,6 +28,7 @@ weight, and a cap then fails the start too).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import signal
@@ -63,6 +64,7 @@ def v1_shares(weight: int) -> int:
     return max(2, min(262144, weight * 1024 // 100))
 
 
+@functools.lru_cache(maxsize=8)  # on every sandbox's path; the gateway's own cgroup stays put
 def _own_cgroup(controller: str) -> str:
     """This process's cgroup path under one v1 controller ("" for v2)."""
     try:
@@ -76,6 +78,7 @@ def _own_cgroup(controller: str) -> str:
     return "/"
 
 
+@functools.lru_cache(maxsize=1)  # on every sandbox's path: /proc/self/mounts can be long
 def _mounts() -> dict[str, str]:
     """Mount points: {"pids": ..., "memory": ..., "unified": ...} where present."""
     found: dict[str, str] = {}

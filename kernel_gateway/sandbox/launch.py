@@ -1,10 +1,29 @@
-"""Turn a profile into a ready-to-spawn sandboxed command.
+"""Turn a profile into a ready-to-spawn sandboxed command, and spawn it safely.
 
 :func:`prepare` compiles the profile, puts the text of each created file in a
-memfd for bwrap to read, creates the sandbox's cgroup, and returns the keyword
-arguments for ``subprocess.Popen`` or ``asyncio.create_subprocess_exec``.  The
-resource limits are applied in the child between fork and exec, so they hold
-for bwrap and everything it starts.
+memfd for bwrap to read, creates the sandbox's cgroup, and returns a
+:class:`PreparedSandbox`.  Spawning it takes three steps, the same for
+kernels, commands and ``doctor``::
+
+    proc = Popen(prepared.argv, ..., **prepared.spawn_kwargs())   # no preexec_fn
+    prepared.spawned()            # the gateway's copies of the child's fds are closed
+    await prepared.started(proc.pid)   # or started_sync(): into the cgroup, then go
+
+Nothing runs between fork and exec, so ``subprocess`` can use vfork and the
+gateway is never forked whole (Python documents ``preexec_fn`` as unsafe in a
+threaded process, and copying the gateway's page tables is most of a
+command's start-up cost).  Instead bwrap is held: ``--info-fd`` tells us the
+pid of its sandbox child, and that child waits on ``--block-fd`` after
+setting the sandbox up and before it runs anything of the agent's.  Meanwhile
+the gateway moves bwrap and the child into the sandbox's cgroup; only then
+does it release the block.  The resource limits and the drop to the agent's
+uid are done by one small exec in front of bwrap (:func:`trampoline`): the
+gateway may lack CAP_SYS_RESOURCE, so it cannot ``prlimit`` another uid.
+
+Host-side processes (the trampoline, bwrap) get :data:`HOST_ENV` and nothing else:
+the sandbox's own environment, the profile's and whatever a request asks
+for, reaches only the process inside, through ``--clearenv`` and
+``--setenv``.  With ``run_as``, bwrap runs as that unprivileged host uid.
 
 A note on ``--die-with-parent``: Linux ties the parent-death signal to the
 *thread* that forked.  Spawn from a long-lived thread (the event loop's), never
@@ -15,16 +34,28 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
+import re
 import resource
+import select
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from . import cgroups, seccomp
+from . import cgroups, reach, seccomp
 from .profile import CompiledSandbox, Limits, compile_profile, created_files
+
+#: The whole environment of every host-side process the gateway starts.
+HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+#: Where host tools are looked up: never a PATH that a request could set.
+HOST_PATH = HOST_ENV["PATH"]
+#: A variable name bwrap, sh and execve all read the same way.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+INFO_TIMEOUT = 30.0  # seconds bwrap may take to report its child
 
 
 class SandboxUnavailable(RuntimeError):
@@ -34,7 +65,7 @@ class SandboxUnavailable(RuntimeError):
 @functools.lru_cache(maxsize=8)  # on every command's path; failures are not cached
 def find_bwrap(path: str | None = None) -> str:
     """The absolute path of bwrap, or :class:`SandboxUnavailable` saying how to get it."""
-    candidate = path or shutil.which("bwrap")
+    candidate = path or shutil.which("bwrap", path=HOST_PATH) or shutil.which("bwrap")
     if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
         return os.path.abspath(candidate)
     where = f"at {path!r}" if path else "on PATH"
@@ -42,6 +73,66 @@ def find_bwrap(path: str | None = None) -> str:
         f"bubblewrap (bwrap) not found {where}; install it with `apt-get install -y bubblewrap`"
         " (Debian/Ubuntu) or `dnf install bubblewrap`, or set the path of bwrap in the config"
     )
+
+
+@functools.lru_cache(maxsize=4)
+def find_tool(name: str) -> str:
+    """A util-linux tool of the spawn path (``prlimit``, ``setpriv``), from the host's own PATH."""
+    candidate = shutil.which(name, path=HOST_PATH)
+    if not candidate:
+        raise SandboxUnavailable(
+            f"{name} not found in {HOST_PATH}: sandboxes are started through it;"
+            " install util-linux (`apt-get install -y util-linux`)"
+        )
+    return candidate
+
+
+_PRLIMIT_OPTIONS = {
+    resource.RLIMIT_CORE: "--core",
+    resource.RLIMIT_CPU: "--cpu",
+    resource.RLIMIT_FSIZE: "--fsize",
+    resource.RLIMIT_AS: "--as",
+    resource.RLIMIT_NPROC: "--nproc",
+}
+
+
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kg-spawn-helper")
+HELPER_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawn_helper.c")
+
+
+@functools.lru_cache(maxsize=1)
+def find_helper() -> str | None:
+    """The built spawn helper (``scripts/install.sh`` compiles it), or None to use util-linux.
+
+    Only a file no one else may change: the gateway execs it as root.
+    """
+    try:
+        st = os.stat(HELPER)
+    except OSError:
+        return None
+    trusted = st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022
+    if not trusted or not os.access(HELPER, os.X_OK):
+        return None
+    return HELPER
+
+
+def trampoline(rlimits: Sequence[tuple[int, int]], run_as: "RunAs | None", helper: str | None = None) -> list[str]:
+    """The exec before bwrap: set the rlimits, then drop to the sandbox's uid.
+
+    With the spawn helper that is one small static exec; without it,
+    ``prlimit`` and ``setpriv`` (util-linux), each exec'ing the next.  Each
+    changes only its own process, so the gateway itself is never forked:
+    ``subprocess`` uses vfork.
+    """
+    if helper is not None:
+        argv = [helper] + [f"--rlimit={int(which)}:{value}" for which, value in rlimits]
+        if run_as is not None:
+            argv += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
+        return argv + ["--"]
+    argv = [find_tool("prlimit")] + [f"{_PRLIMIT_OPTIONS[which]}={value}" for which, value in rlimits] + ["--"]
+    if run_as is not None:
+        argv += [find_tool("setpriv"), f"--reuid={run_as.uid}", f"--regid={run_as.gid}", "--clear-groups", "--"]
+    return argv
 
 
 def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
@@ -55,7 +146,34 @@ def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
     return returncode, None
 
 
-def _rlimits(limits: Limits, with_nproc: bool) -> list[tuple[int, int]]:
+def check_env_name(name: Any) -> bool:
+    return isinstance(name, str) and ENV_NAME.fullmatch(name) is not None
+
+
+def env_argv(env: Mapping[str, str]) -> list[str]:
+    """bwrap options giving the sandboxed process exactly ``env`` (plus bwrap's PWD)."""
+    argv = ["--clearenv"]
+    for name, value in env.items():
+        if not check_env_name(name) or not isinstance(value, str) or "\0" in value:
+            raise ValueError(f"invalid environment variable {name!r}")
+        argv += ["--setenv", name, value]
+    return argv
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """The host uid and gid a sandbox runs as (its own group; no supplementary groups).
+
+    ``max_processes`` becomes RLIMIT_NPROC: it counts every process of the
+    uid, so with one uid per agent it caps the agent's sandboxes together.
+    """
+
+    uid: int
+    gid: int
+    max_processes: int | None = None
+
+
+def _rlimits(limits: Limits, with_nproc: bool, per_uid: int | None = None) -> list[tuple[int, int]]:
     chosen = [(resource.RLIMIT_CORE, 0)]
     if limits.cpu_seconds is not None:
         chosen.append((resource.RLIMIT_CPU, limits.cpu_seconds))
@@ -63,16 +181,25 @@ def _rlimits(limits: Limits, with_nproc: bool) -> list[tuple[int, int]]:
         chosen.append((resource.RLIMIT_FSIZE, limits.file_size))
     if limits.memory is not None:
         chosen.append((resource.RLIMIT_AS, limits.memory))
-    if with_nproc and limits.processes is not None:
-        chosen.append((resource.RLIMIT_NPROC, limits.processes))
+    nproc = [n for n in (limits.processes if with_nproc else None, per_uid) if n is not None]
+    if nproc:
+        chosen.append((resource.RLIMIT_NPROC, min(nproc)))
     return chosen
 
 
 def _memfd(name: str, text: str) -> int:
-    fd = os.memfd_create(name, 0)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     os.write(fd, text.encode())
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def _parse_info(data: bytes) -> dict | None:
+    try:
+        info = json.loads(data)
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
 
 
 @dataclass
@@ -84,39 +211,139 @@ class PreparedSandbox:
     data_fds: list[int]
     cgroup: cgroups.SandboxCgroup | None
     rlimits: list[tuple[int, int]] = field(default_factory=list)
+    run_as: RunAs | None = None
+    # The two pipes that hold bwrap: (ours, bwrap's) ends.
+    info_fd: int = -1
+    block_fd: int = -1
+    child_fds: list[int] = field(default_factory=list)
+    child_pid: int | None = None
 
     @property
     def limits(self) -> Limits:
         return self.compiled.limits
 
-    def _in_child(self) -> None:
-        # Runs between fork and exec: no allocation-heavy work, no locks.
-        for which, value in self.rlimits:
-            resource.setrlimit(which, (value, value))
-        if self.cgroup is not None:
-            pid = str(os.getpid()).encode()
-            for path in self.cgroup.procs_files():
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.write(fd, pid)
-                finally:
-                    os.close(fd)
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of the sandboxed process."""
+        return self.compiled.env
 
     def spawn_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for Popen / create_subprocess_exec (with ``*self.argv``)."""
+        """Keyword arguments for Popen / create_subprocess_exec (with ``*self.argv``).
+
+        The sandbox waits, before running anything, until :meth:`started` (or
+        :meth:`started_sync`) releases it; :func:`run_to_end` does all of it.
+        """
         return {
-            "env": self.compiled.env,
-            "pass_fds": tuple(self.data_fds),
-            "preexec_fn": self._in_child,
+            "env": dict(HOST_ENV),
+            "pass_fds": tuple(self.data_fds + self.child_fds),
             "start_new_session": True,
             "close_fds": True,
         }
 
     def spawned(self) -> None:
-        """Call once the child exists: bwrap holds its own copies of the data fds."""
-        for fd in self.data_fds:
+        """Call once the child exists: bwrap holds its own copies of its fds."""
+        for fd in self.data_fds + self.child_fds:
             os.close(fd)
-        self.data_fds = []
+        self.data_fds, self.child_fds = [], []
+
+    async def started(self, pid: int) -> None:
+        """Confine bwrap (pid) and its sandbox child, then let the child run the command."""
+        loop = asyncio.get_running_loop()
+        data = bytearray()
+        done: asyncio.Future = loop.create_future()
+
+        def readable() -> None:
+            try:
+                chunk = os.read(self.info_fd, 4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            data.extend(chunk)
+            if (not chunk or _parse_info(bytes(data)) is not None) and not done.done():
+                done.set_result(None)
+
+        os.set_blocking(self.info_fd, False)
+        loop.add_reader(self.info_fd, readable)
+        try:
+            await asyncio.wait_for(done, INFO_TIMEOUT)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(self.info_fd)
+        self._confine_and_release(pid, _parse_info(bytes(data)))
+
+    def started_sync(self, pid: int, timeout: float = INFO_TIMEOUT) -> None:
+        """:meth:`started` for callers without an event loop (doctor, tests)."""
+        data, deadline = bytearray(), time.monotonic() + timeout
+        while _parse_info(bytes(data)) is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.info_fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.info_fd, 4096) if ready else b""
+            if not chunk:
+                break
+            data.extend(chunk)
+        self._confine_and_release(pid, _parse_info(bytes(data)))
+
+    def _confine_and_release(self, pid: int, info: dict | None) -> None:
+        # Closing the block fd releases bwrap's child just as writing to it does:
+        # every way out that has not confined the sandbox kills it first.
+        child = info.get("child-pid") if info else None
+        if not isinstance(child, int) or child <= 0:
+            # bwrap failed before it made the sandbox (it exits with its own error), or is stuck.
+            self._kill_and_close(pid)
+            return
+        self.child_pid = child
+        try:
+            if self.cgroup is not None:
+                for path in self.cgroup.procs_files():
+                    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                    try:
+                        for member in (pid, child):
+                            os.write(fd, str(member).encode())
+                    finally:
+                        os.close(fd)
+        except ProcessLookupError:
+            self._kill_and_close(pid)  # gone already (a setup error): nothing of the agent's ran
+            return
+        except OSError as e:
+            self._kill_and_close(pid)
+            raise SandboxUnavailable(f"could not move the sandbox into its cgroup: {e}") from e
+        try:
+            os.write(self.block_fd, b"x")
+        except BrokenPipeError:
+            pass
+        self._close_control()
+
+    def _kill_and_close(self, pid: int) -> None:
+        for target in (self.child_pid, pid):
+            if target:
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._close_control()
+
+    def _close_control(self) -> None:
+        for fd in (self.info_fd, self.block_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.info_fd = self.block_fd = -1
+
+    async def finish(self, timeout: float = 2.0) -> bool:
+        """:meth:`cleanup` for the event loop: polls the emptying cgroup in short steps.
+
+        bwrap returns before its sandbox's init has finished exiting (it tears
+        the namespaces down), so the first pass usually finds it still there
+        for a millisecond or two; waiting in 20 ms steps would be most of a
+        command's time.
+        """
+        deadline, delay = time.monotonic() + timeout, 0.0005
+        while not self.cleanup(timeout=0):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return True
 
     def cleanup(self, timeout: float = 2.0) -> bool:
         """Call once the sandbox has ended: kills stragglers and removes the cgroup.
@@ -126,6 +353,7 @@ class PreparedSandbox:
         namespace ends with it), so callers can skip a worker thread.
         """
         self.spawned()
+        self._close_control()
         if self.cgroup is not None:
             self.cgroup.remove(timeout)
             if self.cgroup.dirs:
@@ -134,14 +362,20 @@ class PreparedSandbox:
         return True
 
 
-    async def cleanup_async(self, timeout: float = 2.0) -> bool:
-        """:meth:`cleanup` for the event loop: it waits between passes without blocking the loop."""
-        deadline = time.monotonic() + timeout
-        while not self.cleanup(timeout=0):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return True
+def _reachable_argv(argv: list[str], run_as: RunAs) -> list[str]:
+    """Bind sources the sandbox uid cannot reach are bound from a reachable alias."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg in ("--bind", "--bind-try", "--ro-bind", "--ro-bind-try", "--dev-bind", "--dev-bind-try"):
+            out += [arg, reach.reachable(argv[i + 1], run_as.uid, run_as.gid), argv[i + 2]]
+            i += 3
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def prepare(
@@ -153,26 +387,45 @@ def prepare(
     name: str = "sandbox",
     extra_env: Mapping[str, str] | None = None,
     use_cgroups: bool = True,
+    run_as: RunAs | None = None,
+    spawn_helper: bool = True,
 ) -> PreparedSandbox:
-    """Compile ``profile`` for one launch of ``command`` (or the profile's own command)."""
+    """Compile ``profile`` for one launch of ``command`` (or the profile's own command).
+
+    ``extra_env`` is added to the profile's environment, inside the sandbox
+    only.  ``run_as`` is the host uid and gid to run as (default: the
+    gateway's own).
+    """
     bwrap_path = find_bwrap(bwrap)
+    if run_as is not None and run_as.uid == os.geteuid() and run_as.gid == os.getegid():
+        run_as = None  # already that uid: nothing to drop
     files = created_files(profile, values)
     fds = [_memfd(f"created-file-{i}", text) for i, (_at, text) in enumerate(files)]
+    pipes: list[int] = []
     try:
         # The seccomp filter is one more memfd that bwrap reads (--seccomp FD).
         sandbox = profile["sandbox"]
         filter_fd = seccomp.filter_fd(sandbox.get("nested_userns", False)) if sandbox.get("seccomp", True) else None
         fds += [] if filter_fd is None else [filter_fd]
         compiled = compile_profile(profile, values, bwrap=bwrap_path, data_fds=fds[: len(files)], seccomp_fd=filter_fd)
-    except Exception:
-        for fd in fds:
+        if extra_env:
+            compiled.env.update(extra_env)
+        environment = env_argv(compiled.env)
+        command = list(command) if command is not None else compiled.command
+        if not command:
+            raise ValueError("no command to run: pass one or set process.command in the profile")
+        info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        block_r, block_w = os.pipe2(os.O_CLOEXEC)
+        pipes = [info_r, info_w, block_r, block_w]
+        bwrap_argv = compiled.argv[:-1] + environment + [
+            "--info-fd", str(info_w), "--block-fd", str(block_r), "--",
+        ]  # fmt: skip
+        if run_as is not None:
+            bwrap_argv = _reachable_argv(bwrap_argv, run_as)
+    except BaseException:
+        for fd in fds + pipes:
             os.close(fd)
         raise
-    if extra_env:
-        compiled.env.update(extra_env)
-    command = list(command) if command is not None else compiled.command
-    if not command:
-        raise ValueError("no command to run: pass one or set process.command in the profile")
     limits = compiled.limits
     try:
         group = (
@@ -183,16 +436,37 @@ def prepare(
             if use_cgroups
             else None
         )
-    except Exception:  # a limit that cannot be set: nothing starts, nothing leaks
-        for fd in fds:
+        # RLIMIT_NPROC counts every process of the host uid: per sandbox only a fallback.
+        rlimits = _rlimits(limits, with_nproc=group is None, per_uid=run_as.max_processes if run_as else None)
+        prefix = trampoline(rlimits, run_as, find_helper() if spawn_helper else None)
+    except BaseException:  # a limit that cannot be set: nothing starts, nothing leaks
+        for fd in fds + pipes:
             os.close(fd)
         raise
-    # RLIMIT_NPROC counts every process of the host uid: only a fallback.
     return PreparedSandbox(
         compiled=compiled,
-        argv=compiled.argv + command,
+        argv=prefix + bwrap_argv + command,
         data_fds=fds,
         cgroup=group,
-        rlimits=_rlimits(limits, with_nproc=group is None),
+        rlimits=rlimits,
+        run_as=run_as,
+        info_fd=info_r,
+        block_fd=block_w,
+        child_fds=[info_w, block_r],
     )
 
+
+def run_to_end(prepared: PreparedSandbox, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run a prepared sandbox to its end, blocking, and collect its output as text (doctor, tests)."""
+    proc = subprocess.Popen(
+        prepared.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, **prepared.spawn_kwargs(),
+    )  # fmt: skip
+    prepared.spawned()
+    prepared.started_sync(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(prepared.argv, proc.returncode, out, err)

@@ -151,7 +151,11 @@ class GatewayServer:
 
     def _agent_created(self, agent: str) -> None:
         if agent not in self.servers:
-            self._listen(self.core.agents.agent_socket(agent), agent)
+            path = self.core.agents.agent_socket(agent)
+            self._listen(path, agent)
+            run_as = self.core.agents.uids.run_as(agent)
+            if run_as is not None:  # its sandboxes connect as the agent's uid
+                os.chown(path, run_as.uid, run_as.gid, follow_symlinks=False)
 
     def _check_profiles(self) -> None:
         """Every profile the settings name loads, or the gateway does not start."""
@@ -196,6 +200,7 @@ class GatewayServer:
                 "disk_quota": quota.describe(s),
                 "seccomp_filter": _seccomp_filter(),
                 "profiles": {kind: seccomp.walls(load_profile(getattr(s, f"{kind}_profile"))) for kind in ("kernel", "command")},
+                "uid": core.agents.uids.describe(),
                 "cgroup_prefix": core.pool.cgroup_prefix,
             },
             "limits": {

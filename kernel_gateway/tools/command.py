@@ -84,8 +84,11 @@ def _env(request: Mapping[str, Any]) -> dict[str, str]:
     if not isinstance(env, dict):
         raise bad_request(f"'env' must be an object of NAME: string, got {type(env).__name__}")
     for name, value in env.items():
-        if not name or "=" in name or "\0" in name:
-            raise bad_request(f"'env' has an invalid variable name {name!r}")
+        if not launch.check_env_name(name):
+            raise bad_request(
+                f"'env' has an invalid variable name {name!r}",
+                "names are letters, digits and _, not starting with a digit",
+            )
         if not isinstance(value, str):
             raise bad_request(
                 f"'env.{name}' must be a string, got {type(value).__name__}",
@@ -246,6 +249,9 @@ def _spill_opener(agent_root: str, spill_dir: str, run_id: str) -> Callable[[str
             fd = open_in_root(agent_root, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except PathOutsideRoot:
             raise OSError(errno.EXDEV, f"{spill_dir} leads outside the agent's tree") from None
+        owner = os.stat(agent_root)
+        if (owner.st_uid, owner.st_gid) != (os.geteuid(), os.getegid()):
+            os.fchown(fd, owner.st_uid, owner.st_gid)  # the agent's file, like its tree
         # Where the file really is, whatever symlinks inside the tree led there.
         return os.readlink(f"/proc/self/fd/{fd}"), fd
 
@@ -285,6 +291,7 @@ async def run_command(
     output_limit: int = 65536,
     max_stdin: int = 1 << 20,
     bwrap: str | None = None,
+    run_as: launch.RunAs | None = None,
 ) -> dict:
     """Run one command in a fresh sandbox; return its exit status and bounded output.
 
@@ -315,7 +322,10 @@ async def run_command(
     if values.get("agent_socket"):
         env["KERNEL_GATEWAY_SOCKET"] = SANDBOX_SOCKET
     run_id = uuid.uuid4().hex[:12]
-    prepared = launch.prepare(profile, values, argv, bwrap=bwrap, name=f"command-{run_id}", extra_env=env)
+    # ``env`` reaches only the command inside the sandbox (bwrap --setenv), never a host process.
+    prepared = launch.prepare(
+        profile, values, argv, bwrap=bwrap, name=f"command-{run_id}", extra_env=env, run_as=run_as
+    )
     timeout, wall = requested_timeout, prepared.limits.wall_seconds
     if wall is not None:
         timeout = wall if timeout is None else min(timeout, wall)
@@ -336,6 +346,14 @@ async def run_command(
         prepared.cleanup()
         raise
     prepared.spawned()
+    try:
+        await prepared.started(process.pid)
+    except BaseException:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        prepared.cleanup()
+        raise
 
     timed_out = False
     supervise = asyncio.gather(
@@ -360,9 +378,8 @@ async def run_command(
                 pass
             await process.wait()
         duration_ms = round((time.monotonic() - started) * 1000, 1)
-        # Kills whatever is left in the cgroup; only waiting for stragglers goes off the loop.
-        if not prepared.cleanup(timeout=0):
-            await asyncio.to_thread(prepared.cleanup)
+        # Kills whatever is left in the cgroup and waits, without blocking the loop, until it is gone.
+        await prepared.finish()
         out.close()
         err.close()
 

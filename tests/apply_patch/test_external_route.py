@@ -32,6 +32,8 @@ def test_external_apply_patch_runs_sandboxed_and_matches_ours(tmp_path, referenc
         root = os.path.join(gw.root, "a")
         with open(os.path.join(root, "user-files", "f.txt"), "w") as f:
             f.write("one\ntwo\n")
+        owner = os.stat(root)  # the agent's file, as if it had written it (sandboxes run as its uid)
+        os.chown(os.path.join(root, "user-files", "f.txt"), owner.st_uid, owner.st_gid)
         ours_dir = tmp_path / "ours"
         (ours_dir / "user-files").mkdir(parents=True)
         (ours_dir / "user-files" / "f.txt").write_text("one\ntwo\n")

@@ -1,0 +1,220 @@
+"""Bind sources an unprivileged sandbox uid could not reach, made reachable by an alias.
+
+An unprivileged bwrap resolves each bind source with its own uid, so a source
+below a directory it may not search (a Python under ``/root``, a state
+directory of mode 0700, a test's private temp dir) fails with EACCES.  The
+sources are the operator's and the gateway's own paths, never the agent's,
+so instead of loosening the host's permissions the gateway binds each such
+source on an empty mount point under :data:`ALIAS_DIR` (mode 0711, one
+directory per gateway process) and bwrap binds it from there.  An alias
+only skips the search permission of the directories above the source: the
+source's own owner and mode still decide who may open it (an agent's tree is
+0700 and its own, its socket 0600 and its own).  The aliases are unmounted
+when the gateway exits, and a later gateway sweeps those of one that died.
+
+The aliases live in the host's mount namespace, as every other mount the
+gateway makes (an agent's disk image) does: a namespace of its own would
+hide those from the host.
+
+Only a path without any symlink on it is aliased, and it is opened with
+``openat2(RESOLVE_NO_SYMLINKS)`` and mounted through that fd, so nothing an
+agent can rename or relink in its tree can make the gateway bind something
+else; a path that does not qualify is left for bwrap to resolve with the
+sandbox's own uid (and fails there, clearly, if that uid may not reach it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import hashlib
+import os
+import stat
+import threading
+
+ALIAS_DIR = "/tmp/kg-reach"
+_MS_BIND, _MS_REC = 0x1000, 0x4000
+_MNT_DETACH = 2
+_SYS_OPENAT2 = 437  # the unified syscall table (x86_64, aarch64, ...)
+_RESOLVE_NO_SYMLINKS = 0x04
+_AT_FDCWD = -100
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _open_no_symlinks(path: str) -> int:
+    """An O_PATH fd of ``path``, refused if any component is a symlink."""
+    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS)
+    fd = _libc.syscall(_SYS_OPENAT2, _AT_FDCWD, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise Unreachable(err, f"cannot open {path} without following symlinks: {os.strerror(err)}")
+    return fd
+_lock = threading.Lock()
+_aliases: dict[str, str] = {}  # real path -> its mount point, in this process
+_answers: dict[tuple[str, int, int], str] = {}
+
+
+class Unreachable(OSError):
+    """A bind source cannot be made reachable for the sandbox uid."""
+
+
+def can_search(path: str, uid: int, gid: int) -> bool:
+    """Whether ``uid``/``gid`` (no supplementary groups) may search every directory above ``path``."""
+    parent = os.path.dirname(path)
+    while True:
+        try:
+            st = os.stat(parent)
+        except OSError:
+            return False
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return False
+        if parent == "/":
+            return True
+        parent = os.path.dirname(parent)
+
+
+def _process_tag(pid: int | str) -> str | None:
+    """pid and start time: names a process uniquely, even once its pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid}-{f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def _own_dir(path: str) -> None:
+    try:
+        os.mkdir(path, 0o711)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+        raise Unreachable(0, f"{path} is not a directory owned by root")
+    os.chmod(path, 0o711)
+
+
+def _remove_aliases(where: str) -> None:
+    """Unmount and remove every alias in ``where``; never removes anything but empty mount points."""
+    try:
+        entries = os.listdir(where)
+    except OSError:
+        return
+    for entry in entries:
+        path = os.path.join(where, entry)
+        # Detach every mount stacked there (each unmount uncovers the one below).
+        while _libc.umount2(path.encode(), _MNT_DETACH) == 0:
+            pass
+        try:
+            if entry.endswith(".f"):
+                if os.lstat(path).st_size == 0:
+                    os.unlink(path)
+            else:
+                os.rmdir(path)  # fails, harmlessly, on anything not empty
+        except OSError:
+            pass
+    try:
+        os.rmdir(where)
+    except OSError:
+        pass
+
+
+def _sweep(keep: str) -> None:
+    """Remove the aliases of gateway processes that are gone."""
+    for name in os.listdir(ALIAS_DIR):
+        if name != keep and _process_tag(name.split("-", 1)[0]) != name:
+            _remove_aliases(os.path.join(ALIAS_DIR, name))
+
+
+@functools.lru_cache(maxsize=1)
+def _alias_dir() -> str:
+    _own_dir(ALIAS_DIR)
+    mine = _process_tag(os.getpid())
+    _sweep(keep=mine)
+    where = os.path.join(ALIAS_DIR, mine)
+    _own_dir(where)
+    atexit.register(_remove_aliases, where)
+    return where
+
+
+def _alias(real: str) -> str:
+    if real in _aliases:
+        return _aliases[real]
+    fd = _open_no_symlinks(real)
+    try:
+        _aliases[real] = _mount_alias(real, fd)
+    finally:
+        os.close(fd)
+    return _aliases[real]
+
+
+def _mount_alias(real: str, fd: int) -> str:
+    is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+    target = os.path.join(_alias_dir(), hashlib.sha256(real.encode()).hexdigest()[:24] + ("" if is_dir else ".f"))
+    try:
+        if is_dir:
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+    except FileExistsError:
+        pass  # left by a try of this process that failed to mount
+    st = os.lstat(target)
+    if st.st_uid != 0 or stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode) != is_dir:
+        raise Unreachable(0, f"{target} is not a mount point the gateway made")
+    # Through the fd: what was opened is what gets bound, whatever the path now leads to.
+    if _libc.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+        err = ctypes.get_errno()
+        raise Unreachable(err, f"cannot bind {real} on {target}: {os.strerror(err)}")
+    return target
+
+
+def reachable(source: str, uid: int, gid: int) -> str:
+    """``source``, or an alias of it that ``uid`` can reach.
+
+    A missing source, one ``uid`` can reach, and one with a symlink on its
+    way stay as they are: bwrap resolves those itself, as the sandbox's uid.
+    """
+    key = (source, uid, gid)
+    known = _answers.get(key)
+    if known is not None:
+        return known
+    real = os.path.realpath(source)
+    if not os.path.exists(real):
+        # Not remembered: it may appear later.  Where the uid could not even look, bwrap would
+        # fail with EACCES instead of skipping a missing --bind-try source: give it a missing path.
+        if can_search(real, uid, gid):
+            return source
+        return os.path.join(_alias_dir(), "missing-" + hashlib.sha256(real.encode()).hexdigest()[:24])
+    if real != os.path.normpath(source) or can_search(real, uid, gid):
+        answer = source
+    else:
+        with _lock:
+            answer = _alias(real)
+    if len(_answers) < 4096:  # on every spawn's path: each bind source is looked at once
+        _answers[key] = answer
+    return answer
+
+
+def alias_of_fd(fd: int, uid: int, gid: int) -> str | None:
+    """An alias bound from an already opened (pinned) fd, or None when ``uid`` reaches its path.
+
+    bwrap resolves ``--bind-fd`` through the fd's path, with its own uid.
+    """
+    real = os.readlink(f"/proc/self/fd/{fd}")
+    if not real.startswith("/") or can_search(real, uid, gid):
+        return None
+    with _lock:
+        if real not in _aliases:
+            _aliases[real] = _mount_alias(real, fd)
+        return _aliases[real]
