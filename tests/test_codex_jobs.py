@@ -54,6 +54,9 @@ def test_codex_job_edits_the_tree_and_ends_with_its_last_message(tmp_path, monke
             repo.mkdir(parents=True)
             (repo / "greeting.txt").write_text("hello\n")
             (repo / "other.txt").write_text("untouched\n")
+            owner = os.stat(pathlib.Path(gw.root) / "alice")  # the agent's own files, as if it wrote them
+            for where in (repo, *repo.iterdir()):
+                os.chown(where, owner.st_uid, owner.st_gid, follow_symlinks=False)
             status, job = gw.client.call("POST", "/v1/agents/alice/jobs", {
                 "kind": "codex", "from": "user-files/repo", "objective": "Make greeting.txt say hello, world.",
             })
