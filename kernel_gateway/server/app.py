@@ -62,7 +62,7 @@ def make_jupyter_app(core: Core) -> web.Application:
     """The app of the loopback TCP port: the Jupyter routes only, each behind an agent's token."""
     args = {"core": core, "scope": None, "tcp": True}
     return web.Application(
-        [(pattern, handler, args) for pattern, handler in jupyter_routes.routes()],
+        [(pattern, handler, {**args, "route": route_label(pattern)}) for pattern, handler in jupyter_routes.routes()],
         default_handler_class=jupyter_routes.JupyterNotFoundHandler,
         default_handler_args={"core": core, "scope": None},
         websocket_max_message_size=64 << 20,

@@ -34,8 +34,9 @@ MAX_MESSAGE = 64 << 20  # largest websocket frame accepted from a client
 
 
 class ChannelsHandler(websocket.WebSocketHandler):
-    def initialize(self, core: Any, scope: str | None = None, tcp: bool = False) -> None:
+    def initialize(self, core: Any, scope: str | None = None, tcp: bool = False, route: str = "") -> None:
         self.core = core
+        self.route = route
         self.scope = scope
         self.tcp = tcp
         self.bridge: Any = None

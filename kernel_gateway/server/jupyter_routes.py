@@ -73,8 +73,8 @@ class JupyterHandler(BaseHandler):
 
     tool = "jupyter"
 
-    def initialize(self, core: Any, scope: str | None = None, tcp: bool = False) -> None:
-        super().initialize(core, scope)
+    def initialize(self, core: Any, scope: str | None = None, tcp: bool = False, route: str = "") -> None:
+        super().initialize(core, scope, route)
         self.tcp = tcp
 
     def prepare(self) -> None:
