@@ -181,15 +181,19 @@ class Kernel:
                 raise
         except BaseException:
             # Cancelled (the client left) or failed: the half-started sandbox goes too.
-            try:
-                if km.has_kernel:
-                    await km.shutdown_kernel(now=True)
-                else:
-                    await km.cleanup_resources()
-            except Exception:
-                log.exception("cleaning up after a failed kernel start of agent %s", agent)
-            finally:
-                output.close()
+            async def clean_up() -> None:
+                try:
+                    if km.has_kernel:
+                        await km.shutdown_kernel(now=True)
+                    else:
+                        await km.cleanup_resources()
+                except Exception:
+                    log.exception("cleaning up after a failed kernel start of agent %s", agent)
+                finally:
+                    output.close()
+
+            # Shielded: a second cancellation must not stop the cleanup half-way and leak the sandbox.
+            await asyncio.shield(asyncio.ensure_future(clean_up()))
             raise
         return kernel
 
