@@ -112,6 +112,42 @@ def test_a_client_leaving_during_a_cold_start_leaves_no_kernel(gw):
     assert cancelled >= 1
 
 
+def test_a_second_waiter_after_a_failed_create_leaves_no_orphan_kernel(gw):
+    """Two creates of one session at once; the first start fails.  The second waiter must
+    start over on a session that exists (its own), never start a kernel for the one that
+    was dropped, which no session would then own."""
+    pool, original = gw.core.pool, gw.core.pool.start
+    calls = []
+
+    async def failing_once(*args, **kwargs):
+        calls.append(kwargs.get("session"))
+        if len(calls) == 1:
+            await asyncio.sleep(0.3)  # the second create is waiting on the session's lock by now
+            raise GatewayError(500, "kernel_start_failed", "the first start fails (test)")
+        return await original(*args, **kwargs)
+
+    pool.start = failing_once
+    try:
+        async def both():
+            first = asyncio.ensure_future(gw.core.sessions.get_or_create("a", "twice"))
+            await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(gw.core.sessions.get_or_create("a", "twice"))
+            return await asyncio.gather(first, second, return_exceptions=True)
+
+        first, second = gw.run(both())
+    finally:
+        pool.start = original
+    assert isinstance(first, GatewayError) and first.code == "kernel_start_failed"
+    session, _created = second
+    assert session.kernel is not None
+    # The kernel that started is the live session's, and the only one.
+    assert gw.core.sessions.sessions.get(("a", "twice")) is session
+    assert [k.id for k in pool.kernels.values()] == [session.kernel.id]
+    assert child_sandboxes() == [session.kernel.pid]
+    assert gw.client.call("DELETE", "/v1/agents/a/sessions/twice")[0] == 200
+    assert no_kernel_left(gw)
+
+
 def test_an_agent_whose_socket_cannot_be_bound_is_not_registered(gw):
     key = "k" * 64
     assert len(os.path.join(gw.state, "agents", f"{key}.sock")) > 107

@@ -52,3 +52,30 @@ def test_text_log_is_one_readable_line_per_request(tmp_path):
     assert "kernel_gateway.requests: PUT /v1/agents/{agent} 201 agent=a" in text
     assert "kernel_gateway.requests: GET /v1/agents/{agent} 404 agent=nobody" in text
     assert not any(line.startswith("{") for line in text.splitlines())
+
+
+def test_an_unexpected_error_is_a_json_500_and_logged_with_its_traceback(tmp_path, caplog):
+    """A bug in the core (here one planted in read_file) reaches the client as the error
+    shape and the operator's log as one line naming the route and agent, with the traceback."""
+    from kernel_gateway.tools import read_file
+    from support import InProcessGateway
+
+    gw = InProcessGateway(tmp_path, spare_kernels=False).start()
+    original = read_file.read_file
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a planted bug")
+
+    try:
+        assert gw.client.call("PUT", "/v1/agents/a")[0] == 201
+        read_file.read_file = broken
+        with caplog.at_level("ERROR"):
+            status, body = gw.client.call("GET", "/v1/agents/a/files?path=SOUL.md")
+    finally:
+        read_file.read_file = original
+        gw.stop()
+    assert status == 500
+    assert body == {"error": {"code": "internal", "message": "internal error", "hint": "see the gateway's log"}}
+    [record] = [r for r in caplog.records if r.getMessage().startswith("unexpected error in GET")]
+    assert "/v1/agents/{agent}/files" in record.getMessage() and "agent a" in record.getMessage()
+    assert record.exc_info is not None and "a planted bug" in str(record.exc_info[1])
