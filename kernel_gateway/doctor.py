@@ -142,17 +142,8 @@ def check_python_in_sandbox(bwrap: str, python: str) -> Check:
         }
         prepared = launch.prepare(load_profile("kernel"), values, [python, "-c", code], bwrap=bwrap, name="doctor")
         try:
-            proc = subprocess.Popen(
-                prepared.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, **prepared.spawn_kwargs(),
-            )  # fmt: skip
-            prepared.spawned()
-            prepared.started_sync(proc.pid)
-            try:
-                out, err = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
+            proc = launch.run_to_end(prepared, timeout=60)
+            out, err = proc.stdout, proc.stderr
         finally:
             prepared.cleanup()
     if proc.returncode != 0:
@@ -332,13 +323,8 @@ def check_uid_mode(bwrap: str, python: str, uid_start: int) -> Check:
         except launch.SandboxUnavailable as e:
             return Check("uid", False, str(e), "install util-linux (prlimit, setpriv)")
         try:
-            proc = subprocess.Popen(
-                prepared.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, **prepared.spawn_kwargs(),
-            )  # fmt: skip
-            prepared.spawned()
-            prepared.started_sync(proc.pid)
-            _out, err = proc.communicate(timeout=60)
+            proc = launch.run_to_end(prepared, timeout=60)
+            err = proc.stderr
         finally:
             prepared.cleanup()
         try:
