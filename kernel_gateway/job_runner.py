@@ -328,23 +328,7 @@ async def _in_job_sandbox(ctx: Context, job: Any, profile: dict, argv: list[str]
         raise
     _bind_pinned(prepared, len(argv), directory, fds[0],
                  [(fd, os.path.join(directory, rel)) for fd, rel in zip(fds[1:], read_only)])
-    try:
-        process = await asyncio.create_subprocess_exec(
-            *prepared.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-            **prepared.spawn_kwargs(),
-        )
-    except BaseException:
-        prepared.cleanup()
-        raise
-    prepared.spawned()
-    try:
-        await prepared.started(process.pid)  # into its cgroup, then released from --block-fd
-    except BaseException:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
-        prepared.cleanup()
-        raise
+    process = await launch.spawn(prepared, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr)
     ended = None
     waiter = asyncio.ensure_future(process.wait())
     waits = {waiter}

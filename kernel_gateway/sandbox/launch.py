@@ -456,6 +456,29 @@ def prepare(
     )
 
 
+async def spawn(prepared: PreparedSandbox, **kwargs: Any) -> asyncio.subprocess.Process:
+    """Start a prepared sandbox from the event loop, confined and released (its cgroup, then
+    ``--block-fd``); ``kwargs`` go to ``create_subprocess_exec`` (stdin, stdout, stderr).
+
+    Whatever fails on the way kills what was started and cleans the sandbox up.
+    """
+    try:
+        process = await asyncio.create_subprocess_exec(*prepared.argv, **kwargs, **prepared.spawn_kwargs())
+    except BaseException:
+        prepared.cleanup()
+        raise
+    prepared.spawned()
+    try:
+        await prepared.started(process.pid)  # into its cgroup, then released from --block-fd
+    except BaseException:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        prepared.cleanup()
+        raise
+    return process
+
+
 def run_to_end(prepared: PreparedSandbox, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run a prepared sandbox to its end, blocking, and collect its output as text (doctor, tests)."""
     proc = subprocess.Popen(

@@ -333,27 +333,15 @@ async def run_command(
     opener = _spill_opener(agent_root, spill_dir, run_id)
     out, err = BoundedStream("stdout", output_limit, opener), BoundedStream("stderr", output_limit, opener)
     started = time.monotonic()
-    try:
-        process = await asyncio.create_subprocess_exec(
-            *prepared.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=cwd,
-            **prepared.spawn_kwargs(),
-        )
-    except BaseException:
-        prepared.cleanup()
-        raise
-    prepared.spawned()
-    try:
-        await prepared.started(process.pid)
-    except BaseException:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
-        prepared.cleanup()
-        raise
+    # A profile's process.cwd becomes bwrap's --chdir, so the host side need not enter the
+    # agent's tree; only a profile without one still relies on the host working directory.
+    process = await launch.spawn(
+        prepared,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        **({} if prepared.compiled.cwd else {"cwd": cwd}),
+    )
 
     timed_out = False
     supervise = asyncio.gather(
