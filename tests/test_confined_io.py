@@ -116,6 +116,18 @@ def test_write_atomically_leaves_the_old_file_when_refused(tree):
         os.close(dir_fd)
 
 
+def test_write_atomically_takes_a_name_as_long_as_a_name_may_be(tree):
+    """The temporary file next to a 255-byte name must itself fit in NAME_MAX."""
+    name = "n" * 249 + ".ipynb"
+    dir_fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert wp.write_atomically_at(dir_fd, name, b"{}") is True
+    finally:
+        os.close(dir_fd)
+    assert os.listdir(tree).count(name) == 1 and (tree / name).read_bytes() == b"{}"
+    assert not [n for n in os.listdir(tree) if n.endswith(".tmp")]
+
+
 @pytest.mark.parametrize("path,why", [
     ("a" * 256, "component is 256 bytes"),
     ("é" * 128, "component is 256 bytes"),

@@ -609,7 +609,7 @@ def write_atomically_at(dir_fd: int, name: str, data: bytes, *, owner: tuple[int
     (renameat); then the directory is fsynced.  If `before_rename` returns
     False the temporary file is removed and False returned.
     """
-    temp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+    temp = f".{name[:200]}.{uuid.uuid4().hex[:12]}.tmp"  # within NAME_MAX for any name that fits
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temp, flags, 0o666, dir_fd=dir_fd)
     try:
