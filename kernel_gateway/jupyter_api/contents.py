@@ -20,7 +20,6 @@ import errno
 import mimetypes
 import os
 import stat
-import uuid
 from typing import Callable
 
 import nbformat
@@ -170,29 +169,8 @@ class Contents:
                     raise bad_request(f"{path} is a directory", code="is_a_directory")
             except FileNotFoundError:
                 pass
-            owner = os.fstat(dir_fd)
-            temp = f".{name[:200]}.{uuid.uuid4().hex[:12]}.tmp"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                         dir_fd=dir_fd)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    if os.geteuid() == 0:
-                        os.fchown(f.fileno(), owner.st_uid, owner.st_gid)  # the agent's file, not root's
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException:
-                try:
-                    os.unlink(temp, dir_fd=dir_fd)
-                except FileNotFoundError:
-                    pass
-                raise
-            done = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
-            try:
-                os.fsync(done)
-            finally:
-                os.close(done)
+            owner = os.fstat(dir_fd)  # the agent's file, not root's
+            wp.write_atomically_at(dir_fd, name, data, owner=(owner.st_uid, owner.st_gid))
         finally:
             os.close(dir_fd)
 
