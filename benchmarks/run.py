@@ -508,6 +508,28 @@ def measure_command(gw: Gateway, n: int, results: dict) -> None:
     # The gateway's own duration_ms: spawn of bwrap to its exit, so the rest is HTTP, prepare and cleanup.
     results["command_sandbox_run_ms"] = ms(percentile(inside, 50))
     results["command_overhead_ms"] = ms(percentile(via, 50) - percentile(bare, 50))
+    results["command_start"] = gw.client.ok("GET", "/v1/info")["sandbox"]["command_start"]
+
+
+def measure_command_cold(base: str, n: int, results: dict) -> None:
+    """The same /bin/true with no spare sandboxes: every command sets its own up (for comparison)."""
+    log(f"command overhead without spare sandboxes: {n} x /bin/true")
+    gw = Gateway(base, "cold-commands", "--Gateway.spare_commands=False")
+    try:
+        gw.agent("cmd")
+        bare, via = [], []
+        for i in range(n + 5):
+            started = time.perf_counter()
+            subprocess.run(["/bin/true"])
+            bare.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            gw.client.ok("POST", "/v1/agents/cmd/commands", {"argv": ["/bin/true"]})
+            via.append(time.perf_counter() - started)
+        bare, via = bare[5:], via[5:]
+        results["command_true_cold_ms"] = ms(percentile(via, 50))
+        results["command_overhead_cold_ms"] = ms(percentile(via, 50) - percentile(bare, 50))
+    finally:
+        gw.stop()
 
 
 def measure_jobs(gw: Gateway, base: str, n: int, results: dict) -> None:
@@ -737,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
             measure_cpu_fairness(gw, n_rtt // 4, results)
         finally:
             gw.stop()
+        measure_command_cold(base, n_cmd, results)
         measure_memory(base, 20, results)
         measure_starvation(base, 20 if quick else 50, results)
     except BaseException:

@@ -22,6 +22,7 @@ from typing import Any
 
 from . import audit, workspace
 from .agents import AgentRegistry
+from .command_spares import CommandSpares
 from .culler import Culler
 from .errors import GatewayError, bad_request
 from .kernel_pool import KernelPool
@@ -45,6 +46,7 @@ class Core:
         self.pool.run_as = self.agents.uids.run_as
         self.sessions = Sessions(settings, self.agents, self.pool, self.library)
         self.culler = Culler(settings, self.sessions)
+        self.command_spares = CommandSpares(settings.spare_commands)
         self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
         self.info: dict = {}
         self.jobs: Any = None  # the JobManager, set once the server has started it
@@ -71,6 +73,8 @@ class Core:
             bwrap=self.settings.bwrap or None,
             max_stdin=max_stdin,
             run_as=agents.uids.run_as(agent),
+            spares=self.command_spares,
+            cgroup_prefix=f"{self.pool.cgroup_prefix}-",
         )
 
     def session_cwd(self, agent: str, session: str) -> str:
@@ -170,7 +174,13 @@ class Core:
         self.pool.sweep_leftovers()
         self.sessions.load_registry()
 
+    async def stop_agent(self, agent: str) -> None:
+        """Stop the agent's sessions and drop its spare command sandbox."""
+        await self.sessions.stop_agent(agent)
+        await self.command_spares.discard(self.agents.agent_root(agent))
+
     async def close(self) -> None:
+        await self.command_spares.close()
         await self.sessions.shutdown_all()
         self.audit.close()
 

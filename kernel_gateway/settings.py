@@ -56,6 +56,10 @@ class Gateway(Configurable):
     max_sessions_total = Int(256, config=True, help="Live sessions in all.")
     max_spare_kernels = Int(8, config=True, help="Ready kernels kept in all (one per active agent at most).")
     spare_kernels = Bool(True, config=True, help="Keep one ready kernel per agent after its first session.")
+    spare_commands = Bool(
+        True, config=True,
+        help="Set up each agent's next command sandbox after its last command, so that one starts at once.",
+    )  # fmt: skip
     busy_timeout = Float(
         10.0, config=True, help="Seconds restart and variables wait for a busy session before answering 409."
     )

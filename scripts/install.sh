@@ -22,13 +22,19 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[data,test]"
-# The spawn helper: one static exec (rlimits, then the agent's uid) in front of bwrap.
-# Without a C compiler the gateway uses prlimit and setpriv instead (a little slower).
-HELPER=kernel_gateway/sandbox/kg-spawn-helper
-if command -v cc >/dev/null 2>&1 && cc -O2 -Wall -static -o "$HELPER.tmp" kernel_gateway/sandbox/spawn_helper.c 2>/dev/null; then
-    chmod 0755 "$HELPER.tmp" && mv "$HELPER.tmp" "$HELPER"
-else
-    rm -f "$HELPER.tmp"
-    echo "note: no C compiler (or no static libc): sandboxes start through prlimit + setpriv" >&2
-fi
+# Two small static programs of the spawn path, when a C compiler is there:
+# - kg-spawn-helper, one exec (rlimits, then the agent's uid) in front of bwrap;
+#   without it the gateway uses prlimit and setpriv (a little slower);
+# - kg-exec-stub, the payload of a spare command sandbox; without it every
+#   command sets its sandbox up when it is asked for (slower).
+build() {  # build SOURCE BINARY WHAT-ELSE
+    if command -v cc >/dev/null 2>&1 && cc -O2 -Wall -static -o "$2.tmp" "$1" 2>/dev/null; then
+        chmod 0755 "$2.tmp" && mv "$2.tmp" "$2"
+    else
+        rm -f "$2.tmp"
+        echo "note: no C compiler (or no static libc) for $2: $3" >&2
+    fi
+}
+build kernel_gateway/sandbox/spawn_helper.c kernel_gateway/sandbox/kg-spawn-helper "sandboxes start through prlimit + setpriv"
+build kernel_gateway/sandbox/exec_stub.c kernel_gateway/sandbox/kg-exec-stub "no spare command sandboxes"
 echo "installed: $(.venv/bin/kernel-gateway --version) in $(pwd)/.venv, $(bwrap --version)"

@@ -156,9 +156,9 @@ def test_trampoline_argv_is_exact():
     import resource
 
     limits, run_as = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_AS, 4096)], launch.RunAs(200001, 200001)
-    assert launch.trampoline(limits, run_as, "/h") == [
-        "/h", f"--rlimit={resource.RLIMIT_CORE}:0", f"--rlimit={resource.RLIMIT_AS}:4096",
-        "--uid=200001", "--gid=200001", "--",
+    assert launch.trampoline(limits, run_as, "/h", ["/cg/pids/x/cgroup.procs"]) == [
+        "/h", "--cgroup=/cg/pids/x/cgroup.procs", f"--rlimit={resource.RLIMIT_CORE}:0",
+        f"--rlimit={resource.RLIMIT_AS}:4096", "--uid=200001", "--gid=200001", f"--parent={os.getpid()}", "--",
     ]  # fmt: skip
     assert launch.trampoline(limits, run_as) == [
         launch.find_tool("prlimit"), "--core=0", "--as=4096", "--",

@@ -12,13 +12,20 @@ kernels, commands and ``doctor``::
 Nothing runs between fork and exec, so ``subprocess`` can use vfork and the
 gateway is never forked whole (Python documents ``preexec_fn`` as unsafe in a
 threaded process, and copying the gateway's page tables is most of a
-command's start-up cost).  Instead bwrap is held: ``--info-fd`` tells us the
-pid of its sandbox child, and that child waits on ``--block-fd`` after
-setting the sandbox up and before it runs anything of the agent's.  Meanwhile
-the gateway moves bwrap and the child into the sandbox's cgroup; only then
-does it release the block.  The resource limits and the drop to the agent's
-uid are done by one small exec in front of bwrap (:func:`trampoline`): the
-gateway may lack CAP_SYS_RESOURCE, so it cannot ``prlimit`` another uid.
+command's start-up cost).  Instead one small static exec in front of bwrap,
+the spawn helper (:func:`trampoline`, ``spawn_helper.c``), joins the
+sandbox's cgroups, sets the resource limits, drops to the agent's uid and
+asks to die with the gateway, then execs bwrap: everything of the sandbox is
+confined from its first instruction, and the cgroup write (which on cgroup
+v1 waits for an RCU grace period, milliseconds) never stalls the event loop.
+The gateway may lack CAP_SYS_RESOURCE, so it cannot ``prlimit`` another uid.
+
+Without the helper (no C compiler at install time), ``prlimit`` and
+``setpriv`` take its place and bwrap is held instead: ``--info-fd`` tells us
+the pid of its sandbox child, and that child waits on ``--block-fd`` after
+setting the sandbox up and before it runs anything of the agent's, while the
+gateway moves bwrap and the child into the cgroup; only then does it release
+the block.
 
 Host-side processes (the trampoline, bwrap) get :data:`HOST_ENV` and nothing else:
 the sandbox's own environment, the profile's and whatever a request asks
@@ -116,19 +123,27 @@ def find_helper() -> str | None:
     return HELPER
 
 
-def trampoline(rlimits: Sequence[tuple[int, int]], run_as: "RunAs | None", helper: str | None = None) -> list[str]:
+def trampoline(
+    rlimits: Sequence[tuple[int, int]],
+    run_as: "RunAs | None",
+    helper: str | None = None,
+    cgroup_procs: Sequence[str] = (),
+) -> list[str]:
     """The exec before bwrap: set the rlimits, then drop to the sandbox's uid.
 
-    With the spawn helper that is one small static exec; without it,
-    ``prlimit`` and ``setpriv`` (util-linux), each exec'ing the next.  Each
-    changes only its own process, so the gateway itself is never forked:
+    With the spawn helper that is one small static exec, which also joins
+    the sandbox's cgroups (``cgroup_procs``) and dies with the gateway; without
+    it, ``prlimit`` and ``setpriv`` (util-linux), each exec'ing the next, and
+    the gateway moves bwrap into the cgroups (see :meth:`PreparedSandbox.started`).
+    Each changes only its own process, so the gateway itself is never forked:
     ``subprocess`` uses vfork.
     """
     if helper is not None:
-        argv = [helper] + [f"--rlimit={int(which)}:{value}" for which, value in rlimits]
+        argv = [helper] + [f"--cgroup={path}" for path in cgroup_procs]
+        argv += [f"--rlimit={int(which)}:{value}" for which, value in rlimits]
         if run_as is not None:
             argv += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
-        return argv + ["--"]
+        return argv + [f"--parent={os.getpid()}", "--"]
     argv = [find_tool("prlimit")] + [f"{_PRLIMIT_OPTIONS[which]}={value}" for which, value in rlimits] + ["--"]
     if run_as is not None:
         argv += [find_tool("setpriv"), f"--reuid={run_as.uid}", f"--regid={run_as.gid}", "--clear-groups", "--"]
@@ -246,8 +261,18 @@ class PreparedSandbox:
             os.close(fd)
         self.data_fds, self.child_fds = [], []
 
+    @property
+    def held(self) -> bool:
+        """Whether bwrap waits on ``--block-fd`` for the gateway to confine it (no spawn helper)."""
+        return self.info_fd >= 0
+
     async def started(self, pid: int) -> None:
-        """Confine bwrap (pid) and its sandbox child, then let the child run the command."""
+        """Confine bwrap (pid) and its sandbox child, then let the child run the command.
+
+        With the spawn helper there is nothing to do: it joined the cgroups itself.
+        """
+        if not self.held:
+            return
         loop = asyncio.get_running_loop()
         data = bytearray()
         done: asyncio.Future = loop.create_future()
@@ -275,6 +300,8 @@ class PreparedSandbox:
 
     def started_sync(self, pid: int, timeout: float = INFO_TIMEOUT) -> None:
         """:meth:`started` for callers without an event loop (doctor, tests)."""
+        if not self.held:
+            return
         data, deadline = bytearray(), time.monotonic() + timeout
         while _parse_info(bytes(data)) is None and time.monotonic() < deadline:
             ready, _, _ = select.select([self.info_fd], [], [], max(0.0, deadline - time.monotonic()))
@@ -414,12 +441,15 @@ def prepare(
         command = list(command) if command is not None else compiled.command
         if not command:
             raise ValueError("no command to run: pass one or set process.command in the profile")
-        info_r, info_w = os.pipe2(os.O_CLOEXEC)
-        block_r, block_w = os.pipe2(os.O_CLOEXEC)
-        pipes = [info_r, info_w, block_r, block_w]
-        bwrap_argv = compiled.argv[:-1] + environment + [
-            "--info-fd", str(info_w), "--block-fd", str(block_r), "--",
-        ]  # fmt: skip
+        helper = find_helper() if spawn_helper else None
+        bwrap_argv = compiled.argv[:-1] + environment
+        if helper is None and use_cgroups:
+            # No helper to join the cgroups before bwrap runs: bwrap waits until the gateway has moved it.
+            info_r, info_w = os.pipe2(os.O_CLOEXEC)
+            block_r, block_w = os.pipe2(os.O_CLOEXEC)
+            pipes = [info_r, info_w, block_r, block_w]
+            bwrap_argv += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
+        bwrap_argv.append("--")
         if run_as is not None:
             bwrap_argv = _reachable_argv(bwrap_argv, run_as)
     except BaseException:
@@ -438,11 +468,12 @@ def prepare(
         )
         # RLIMIT_NPROC counts every process of the host uid: per sandbox only a fallback.
         rlimits = _rlimits(limits, with_nproc=group is None, per_uid=run_as.max_processes if run_as else None)
-        prefix = trampoline(rlimits, run_as, find_helper() if spawn_helper else None)
+        prefix = trampoline(rlimits, run_as, helper, group.procs_files() if group is not None and helper else ())
     except BaseException:  # a limit that cannot be set: nothing starts, nothing leaks
         for fd in fds + pipes:
             os.close(fd)
         raise
+    held = {"info_fd": pipes[0], "block_fd": pipes[3], "child_fds": [pipes[1], pipes[2]]} if pipes else {}
     return PreparedSandbox(
         compiled=compiled,
         argv=prefix + bwrap_argv + command,
@@ -450,9 +481,7 @@ def prepare(
         cgroup=group,
         rlimits=rlimits,
         run_as=run_as,
-        info_fd=info_r,
-        block_fd=block_w,
-        child_fds=[info_w, block_r],
+        **held,
     )
 
 

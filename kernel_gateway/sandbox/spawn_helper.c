@@ -1,15 +1,23 @@
 /*
  * kg-spawn-helper: the one exec between the gateway and bwrap.
  *
- *   kg-spawn-helper [--rlimit=RESOURCE:VALUE]... [--uid=UID --gid=GID] -- /abs/program [ARG]...
+ *   kg-spawn-helper [--cgroup=/abs/.../cgroup.procs]... [--rlimit=RESOURCE:VALUE]...
+ *                   [--uid=UID --gid=GID] [--parent=PID] -- /abs/program [ARG]...
  *
- * Sets each resource limit (soft and hard) to VALUE, then, with --uid, drops
- * every supplementary group and becomes UID/GID (real, effective and saved),
- * then execs the program by its absolute path (no PATH search; the
- * environment is passed on untouched: the gateway gives it a fixed one).
- * It is what `prlimit ... -- setpriv ... -- bwrap` does, in one small static
- * exec instead of two dynamic ones, because the gateway runs nothing between
- * fork and exec.  Any failure exits 127 before the program runs.
+ * Joins each cgroup (writes its own pid to the cgroup.procs file), sets each
+ * resource limit (soft and hard) to VALUE, then, with --uid, drops every
+ * supplementary group and becomes UID/GID (real, effective and saved).  With
+ * --parent it asks for SIGKILL when its parent (the gateway) dies, and exits
+ * at once if that parent is already gone.  Then it execs the program by its
+ * absolute path (no PATH search; the environment is passed on untouched: the
+ * gateway gives it a fixed one).
+ *
+ * So everything bwrap and the sandbox will run is in its cgroups and under
+ * its limits from the start, and the gateway never forks itself or waits on
+ * the cgroup write (cgroup v1 makes a migration wait for an RCU grace period,
+ * milliseconds, which must not stall the gateway's event loop).  It is what
+ * `prlimit ... -- setpriv ... -- bwrap` does, in one small static exec
+ * instead of two dynamic ones.  Any failure exits 127 before the program runs.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -17,7 +25,10 @@
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -37,7 +48,7 @@ static unsigned long long number(const char *text, const char *arg) {
 }
 
 int main(int argc, char **argv) {
-    long long uid = -1, gid = -1;
+    long long uid = -1, gid = -1, parent = -1;
     int i;
     for (i = 1; i < argc; i++) {
         const char *arg = argv[i];
@@ -45,6 +56,15 @@ int main(int argc, char **argv) {
         if (strcmp(arg, "--") == 0) {
             i++;
             break;
+        } else if (strncmp(arg, "--cgroup=", 9) == 0) {
+            const char *path = arg + 9;
+            if (path[0] != '/') fail("expected an absolute cgroup.procs path, got", arg);
+            int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+            if (fd < 0) fail("cannot open", path);
+            if (write(fd, "0", 1) != 1) fail("cannot join", path);
+            close(fd);
+        } else if (strncmp(arg, "--parent=", 9) == 0) {
+            parent = (long long)number(arg + 9, arg);
         } else if (strncmp(arg, "--rlimit=", 9) == 0) {
             const char *colon = strchr(arg + 9, ':');
             if (!colon) fail("expected --rlimit=RESOURCE:VALUE, got", arg);
@@ -72,6 +92,12 @@ int main(int argc, char **argv) {
         if (getresuid(&r, &e, &s) || r != uid || e != uid || s != uid) fail("uid did not change", NULL);
         if (getresgid(&rg, &eg, &sg) || rg != gid || eg != gid || sg != gid) fail("gid did not change", NULL);
         if (getgroups(0, NULL) != 0) fail("supplementary groups remain", NULL);
+    }
+    if (parent >= 0) {
+        /* After the uid change, which clears it; it survives the exec of an ordinary bwrap. */
+        errno = 0;
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) fail("prctl PR_SET_PDEATHSIG", NULL);
+        if ((long long)getppid() != parent) _exit(127); /* the gateway is gone already */
     }
     execv(argv[i], argv + i);
     fail("cannot exec", argv[i]);

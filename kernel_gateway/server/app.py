@@ -202,6 +202,7 @@ class GatewayServer:
                 "profiles": {kind: seccomp.walls(load_profile(getattr(s, f"{kind}_profile"))) for kind in ("kernel", "command")},
                 "uid": core.agents.uids.describe(),
                 "cgroup_prefix": core.pool.cgroup_prefix,
+                "command_start": core.command_spares.describe(),
             },
             "limits": {
                 "output_limit": s.output_limit,
@@ -211,6 +212,7 @@ class GatewayServer:
                 "max_sessions_total": s.max_sessions_total,
                 "cull_idle_timeout": s.cull_idle_timeout,
                 "spare_kernels": s.spare_kernels,
+                "spare_commands": core.command_spares.enabled,
                 "cell_output_limit": s.cell_output_limit,
                 "max_requests_per_agent_socket": s.max_requests_per_agent_socket,
                 **self.gate.describe(),

@@ -79,7 +79,7 @@ class SkillHandler(LibraryBase):
         item = self.core.library.set_enabled(agent, name, body["enabled"])
         if name == library.KERNEL_SKILL and not body["enabled"]:
             # Narrowed: its kernels and its spare stop now.
-            await self.core.sessions.stop_agent(agent)
+            await self.core.stop_agent(agent)
         self.send_json(item)
 
     def delete(self, agent: str, name: str) -> None:

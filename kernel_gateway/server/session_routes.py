@@ -55,7 +55,7 @@ class AgentHandler(BaseHandler):
     async def delete(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.require_control_socket()
-        await self.core.sessions.stop_agent(agent)
+        await self.core.stop_agent(agent)
         self.send_json(self.agent_json(agent))
 
 

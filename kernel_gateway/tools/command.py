@@ -25,6 +25,7 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Mapping
 
+from .. import command_spares
 from ..errors import GatewayError, bad_request
 from ..workspace import check_session_id
 from ..sandbox import launch
@@ -261,6 +262,12 @@ def _spill_opener(agent_root: str, spill_dir: str, run_id: str) -> Callable[[str
 # --- running -----------------------------------------------------------------------
 
 
+def _with_read_only(profile: dict, bind: Mapping[str, str]) -> dict:
+    """``profile`` with one more read-only bind (a spare's stub)."""
+    sandbox = profile["sandbox"]
+    return {**profile, "sandbox": {**sandbox, "read_only": [*sandbox.get("read_only", []), dict(bind)]}}
+
+
 async def _pump(reader: asyncio.StreamReader, stream: BoundedStream, on_event: EventSink | None) -> None:
     while chunk := await reader.read(READ_CHUNK):
         shown = stream.add(chunk)
@@ -292,8 +299,15 @@ async def run_command(
     max_stdin: int = 1 << 20,
     bwrap: str | None = None,
     run_as: launch.RunAs | None = None,
+    spares: command_spares.CommandSpares | None = None,
+    cgroup_prefix: str = "",
 ) -> dict:
     """Run one command in a fresh sandbox; return its exit status and bounded output.
+
+    With ``spares``, the sandbox may be one set up ahead for this agent (see
+    :mod:`kernel_gateway.command_spares`), and the next one is set up afterwards.
+    ``cgroup_prefix`` starts the name of the sandbox's cgroup (the gateway's own
+    prefix, so that a later start sweeps what a killed gateway left).
 
     Invalid requests raise :class:`GatewayError` before anything runs: 400, or
     403 ``outside_workspace`` for a ``cwd`` outside the agent's tree.  A request
@@ -322,10 +336,23 @@ async def run_command(
     if values.get("agent_socket"):
         env["KERNEL_GATEWAY_SOCKET"] = SANDBOX_SOCKET
     run_id = uuid.uuid4().hex[:12]
-    # ``env`` reaches only the command inside the sandbox (bwrap --setenv), never a host process.
-    prepared = launch.prepare(
-        profile, values, argv, bwrap=bwrap, name=f"command-{run_id}", extra_env=env, run_as=run_as
-    )
+
+    def prepare(command: list[str], stub: Mapping[str, str] | None = None) -> launch.PreparedSandbox:
+        # ``env`` reaches only the command inside the sandbox (bwrap --setenv), never a host process.
+        if stub is None:
+            name = f"{cgroup_prefix}command-{run_id}"
+            return launch.prepare(profile, values, command, bwrap=bwrap, name=name, extra_env=env, run_as=run_as)
+        # A spare's stub sets the environment of the command it is handed; this request's is not its.
+        name = f"{cgroup_prefix}command-spare-{uuid.uuid4().hex[:12]}"
+        return launch.prepare(_with_read_only(profile, stub), values, command, bwrap=bwrap, name=name, run_as=run_as)
+
+    key = command_spares.sandbox_key(profile, values, run_as, bwrap) if spares is not None else ""
+    spare = await spares.take(agent_root, key) if spares is not None else None
+    request_data = spare and command_spares.encode_request(cwd, argv, {**spare.prepared.env, **env, "PWD": cwd})
+    if spare is not None and request_data is None:
+        await spare.drop()  # too large for the stub's pipe: a sandbox of its own
+        spare = None
+    prepared = spare.prepared if spare is not None else prepare(argv)
     timeout, wall = requested_timeout, prepared.limits.wall_seconds
     if wall is not None:
         timeout = wall if timeout is None else min(timeout, wall)
@@ -333,15 +360,21 @@ async def run_command(
     opener = _spill_opener(agent_root, spill_dir, run_id)
     out, err = BoundedStream("stdout", output_limit, opener), BoundedStream("stderr", output_limit, opener)
     started = time.monotonic()
-    # A profile's process.cwd becomes bwrap's --chdir, so the host side need not enter the
-    # agent's tree; only a profile without one still relies on the host working directory.
-    process = await launch.spawn(
-        prepared,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        **({} if prepared.compiled.cwd else {"cwd": cwd}),
-    )
+    if spare is not None:
+        process = spare.process
+        spare.start(request_data)
+    else:
+        # A profile's process.cwd becomes bwrap's --chdir, so the host side need not enter the
+        # agent's tree; only a profile without one still relies on the host working directory.
+        process = await launch.spawn(
+            prepared,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            **({} if prepared.compiled.cwd else {"cwd": cwd}),
+        )
+    if spares is not None:
+        spares.refill(agent_root, key, prepare)  # set up while this one runs: the agent's next command starts in it
 
     timed_out = False
     supervise = asyncio.gather(
