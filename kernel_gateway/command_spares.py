@@ -80,14 +80,20 @@ class SpareCommand:
     request_fd: int
     expiry: asyncio.TimerHandle | None = None
 
-    def start(self, request: bytes) -> None:
-        """Hand the stub its command (see :func:`encode_request`); it execs at once."""
+    def start(self, request: bytes) -> bool:
+        """Hand the stub its command (see :func:`encode_request`); it execs at once.
+
+        False when the spare is gone already (its stub no longer reads): drop it, start afresh.
+        """
         if self.expiry is not None:
             self.expiry.cancel()
         try:
             view = memoryview(request)
             while view:  # fits the empty pipe: never blocks
                 view = view[os.write(self.request_fd, view) :]
+            return True
+        except OSError:  # EPIPE: the spare died (and was not reaped yet)
+            return False
         finally:
             os.close(self.request_fd)
             self.request_fd = -1

@@ -222,3 +222,18 @@ def test_the_stub_refuses_bad_requests_without_running_anything(tmp_path):
     for argv in ([stub], [stub, "1"], [stub, "x"], [stub, "-5"]):
         done = subprocess.run(argv, capture_output=True, text=True)
         assert done.returncode == 1 and done.stderr.startswith("bwrap: "), (argv, done)
+
+
+def test_a_spare_that_died_while_waiting_is_replaced_by_a_fresh_sandbox(gw):
+    for _ in range(3):
+        warm(gw, "bob")
+        spare = uid_processes(host_uid(gw, "bob"), gw.root)  # the spare's bwrap processes
+        for pid in spare:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # Dead, whether or not the gateway has noticed yet (both ways are taken over the runs).
+        assert wait_until(lambda: not any(pid_alive(p) for p in spare), interval=0.001)
+        body = run(gw, "bob", {"argv": ["echo", "still works"]})
+        assert (body["exit_code"], body["stdout"]) == (0, "still works\n"), body

@@ -349,8 +349,9 @@ async def run_command(
     key = command_spares.sandbox_key(profile, values, run_as, bwrap) if spares is not None else ""
     spare = await spares.take(agent_root, key) if spares is not None else None
     request_data = spare and command_spares.encode_request(cwd, argv, {**spare.prepared.env, **env, "PWD": cwd})
-    if spare is not None and request_data is None:
-        await spare.drop()  # too large for the stub's pipe: a sandbox of its own
+    # Too large for the stub's pipe, or the spare is gone: a sandbox of its own.
+    if spare is not None and (request_data is None or not spare.start(request_data)):
+        await spare.drop()
         spare = None
     prepared = spare.prepared if spare is not None else prepare(argv)
     timeout, wall = requested_timeout, prepared.limits.wall_seconds
@@ -361,8 +362,7 @@ async def run_command(
     out, err = BoundedStream("stdout", output_limit, opener), BoundedStream("stderr", output_limit, opener)
     started = time.monotonic()
     if spare is not None:
-        process = spare.process
-        spare.start(request_data)
+        process = spare.process  # started above
     else:
         # A profile's process.cwd becomes bwrap's --chdir, so the host side need not enter the
         # agent's tree; only a profile without one still relies on the host working directory.
