@@ -14,7 +14,7 @@ a sandbox of its own, only earlier.
 
 A spare is dropped when its agent is stopped, when it has waited
 :attr:`CommandSpares.idle_seconds`, when the next command needs a different
-sandbox, and when the gateway stops.  Dropping closes the pipe: the stub
+sandbox, and when the gateway stops; at most :attr:`CommandSpares.limit` are kept in all.  Dropping closes the pipe: the stub
 reads an empty request and exits 0.
 """
 
@@ -122,8 +122,9 @@ Prepare = Callable[[list[str], Mapping[str, Any]], launch.PreparedSandbox]
 class CommandSpares:
     """At most one spare command sandbox per agent, and the one being set up."""
 
-    def __init__(self, enabled: bool = True, idle_seconds: float = 300.0):
-        self.enabled = enabled and find_stub() is not None
+    def __init__(self, enabled: bool = True, idle_seconds: float = 300.0, limit: int = 32):
+        self.enabled = enabled and find_stub() is not None and limit > 0
+        self.limit = limit
         self.idle_seconds = idle_seconds
         self._ready: dict[str, SpareCommand] = {}
         self._filling: dict[str, tuple[str, asyncio.Task]] = {}
@@ -152,6 +153,8 @@ class CommandSpares:
         spare = self._ready.get(agent)
         if spare is not None and spare.key == key:
             return
+        if spare is None and len(self._ready) + len(self._filling) >= self.limit:
+            return  # as many as the gateway keeps: this agent's next command sets its sandbox up
         task = asyncio.get_running_loop().create_task(self._fill(agent, key, prepare))
         self._filling[agent] = (key, task)
 
@@ -221,6 +224,8 @@ class CommandSpares:
             return "a spare sandbox per agent, set up while its last command ran (kg-exec-stub)"
         if find_stub() is None:
             return "a sandbox set up per command (kg-exec-stub is not built: run scripts/install.sh)"
+        if self.limit <= 0:
+            return "a sandbox set up per command (--Gateway.max_spare_commands=0)"
         return "a sandbox set up per command (--Gateway.spare_commands=False)"
 
     def _background(self, coroutine: Any) -> None:

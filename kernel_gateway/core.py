@@ -46,7 +46,7 @@ class Core:
         self.pool.run_as = self.agents.uids.run_as
         self.sessions = Sessions(settings, self.agents, self.pool, self.library)
         self.culler = Culler(settings, self.sessions)
-        self.command_spares = CommandSpares(settings.spare_commands)
+        self.command_spares = CommandSpares(settings.spare_commands, limit=settings.max_spare_commands)
         self.audit = audit.AuditLog(os.path.join(settings.state_dir, "audit.log"), settings.audit_code)
         self.info: dict = {}
         self.jobs: Any = None  # the JobManager, set once the server has started it

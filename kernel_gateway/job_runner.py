@@ -126,6 +126,18 @@ for entry in "$@"; do
     fi
 done
 [ $bad = 0 ] || { rm -f "$patch_file"; exit 3; }
+# Every file the patch writes must be writable, and so must the directory it is
+# (or will be) in: patch and cp replace files there. Checked first, so that a
+# read-only file or directory stops the apply before anything changed.
+for entry in "$@"; do
+    f=${entry#?:}
+    d=$(dirname -- "$f")
+    while [ ! -e "$d" ] && [ ! -L "$d" ]; do d=$(dirname -- "$d"); done
+    if { [ -e "$f" ] && [ ! -w "$f" ]; } || [ ! -d "$d" ] || [ ! -w "$d" ]; then
+        printf 'unwritable: %s\n' "$f"; bad=1
+    fi
+done
+[ $bad = 0 ] || { rm -f "$patch_file"; exit 7; }
 if [ -s "$patch_file" ]; then
     patch -p1 -E -N -f -s --dry-run -i "$patch_file" || { rm -f "$patch_file"; exit 4; }
     patch -p1 -E -N -f -s -i "$patch_file" || { rm -f "$patch_file"; exit 6; }
@@ -588,6 +600,14 @@ async def apply_patch(ctx: Context, job: Any, data: bytes) -> dict:
             409, "source_changed",
             f"{len(changed)} file(s) in {job.source!r} changed since the job copied them: {', '.join(changed)}; nothing was applied",
             "look at the patch (GET .../patch) and merge by hand, or run the job again on the current files",
+        )
+    if ran["exit_code"] == 7:
+        unwritable = [line[len("unwritable: "):] for line in ran["stdout"].splitlines() if line.startswith("unwritable: ")]
+        raise GatewayError(
+            409, "target_not_writable",
+            f"{len(unwritable)} file(s) the patch writes in {job.source!r} cannot be written: {', '.join(unwritable)};"
+            " nothing was applied",
+            "make them (and their directories) writable again, then apply; read-only Library files cannot be patched",
         )
     if ran["exit_code"] == 4:
         raise GatewayError(409, "patch_does_not_apply", f"the patch does not apply to {job.source!r}; nothing was applied: {output}")

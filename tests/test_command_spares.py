@@ -237,3 +237,20 @@ def test_a_spare_that_died_while_waiting_is_replaced_by_a_fresh_sandbox(gw):
         assert wait_until(lambda: not any(pid_alive(p) for p in spare), interval=0.001)
         body = run(gw, "bob", {"argv": ["echo", "still works"]})
         assert (body["exit_code"], body["stdout"]) == (0, "still works\n"), body
+
+
+def test_the_gateway_keeps_no_more_spares_than_its_limit(tmp_path):
+    gw = GatewayProcess(tmp_path, "--Gateway.max_spare_commands=1").start()
+    try:
+        for agent in ("fay", "gus"):
+            assert gw.client.call("PUT", f"/v1/agents/{agent}")[0] == 201
+        warm(gw, "fay")
+        run(gw, "gus", {"argv": ["true"]})
+        time.sleep(0.5)
+        stubs = lambda agent: [p for p in uid_processes(host_uid(gw, agent), gw.root) if b"kg-exec-stub" in _cmdline(p)]
+        assert stubs("fay") and not stubs("gus")
+        # gus's commands still run, each in a sandbox of its own.
+        body = run(gw, "gus", {"argv": ["python3", "-c", AGE]})
+        assert body["exit_code"] == 0 and float(body["stdout"]) < 0.2, body
+    finally:
+        gw.stop()

@@ -568,3 +568,26 @@ def test_full_logs_stay_in_the_workspace_bounded_by_the_file_size_limit(gw):
     log = pathlib.Path(job["workspace"]) / "stdout.log"
     assert log.stat().st_size == 1 << 20
     assert job["stdout_tail"] == "x" * 4096 and job["stderr_tail"].startswith("to-stderr\n")
+
+
+def test_apply_into_an_unwritable_file_or_directory_is_409_and_changes_nothing(gw):
+    rel, repo = make_repo(gw, files={"a.txt": "one\n", "locked/b.txt": "two\n", "c.txt": "three\n"})
+    job = wait(gw, submit(gw, {"kind": "command", "from": rel,
+                               "command": "echo ONE > a.txt; echo TWO > locked/b.txt; echo new > locked/new.txt; rm c.txt"}))
+    # The agent made a directory read-only after the job copied it (its own tree, its own choice).
+    os.chmod(repo / "locked", 0o555)
+    try:
+        before = tree_digest(str(repo))
+        status, body = gw.client.call("POST", f"/v1/agents/alice/jobs/{job['id']}/apply")
+        assert status == 409 and body["error"]["code"] == "target_not_writable", body
+        assert "locked/b.txt" in body["error"]["message"] and "locked/new.txt" in body["error"]["message"]
+        assert "a.txt," not in body["error"]["message"]
+        assert tree_digest(str(repo)) == before  # a.txt and c.txt untouched too
+        assert gw.client.call("GET", f"/v1/agents/alice/jobs/{job['id']}")[1]["applied"] is None
+    finally:
+        os.chmod(repo / "locked", 0o755)
+    # Writable again: the same apply goes through, whole.
+    status, body = gw.client.call("POST", f"/v1/agents/alice/jobs/{job['id']}/apply")
+    assert status == 200, body
+    assert (repo / "locked/b.txt").read_text() == "TWO\n" and (repo / "locked/new.txt").read_text() == "new\n"
+    assert (repo / "a.txt").read_text() == "ONE\n" and not (repo / "c.txt").exists()

@@ -89,17 +89,20 @@ class Contents:
         """An fd for ``path`` beneath the root (symlinks followed only while they stay inside)."""
         try:
             return wp.open_in_root(self.root, path or ".", flags)
-        except wp.PathOutsideRoot:
-            raise GatewayError(403, "path_outside_root", f"path {path!r} leads outside the agent's tree",
-                               "symlinks out of the tree are not followed") from None
-        except FileNotFoundError:
-            raise not_found(f"No such file or directory: {path}", code="not_found") from None
-        except NotADirectoryError:
-            raise not_found(f"No such file or directory: {path}", code="not_found") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise GatewayError(403, "path_outside_root", f"path {path!r} is a symlink; refused") from None
-            raise
+        except (wp.PathOutsideRoot, OSError) as e:
+            raise self._refusal(path, e) from None
+
+    @staticmethod
+    def _refusal(path: str, e: Exception) -> Exception:
+        """The Jupyter error for a confined lookup that failed (the exception itself if none fits)."""
+        if isinstance(e, wp.PathOutsideRoot):
+            return GatewayError(403, "path_outside_root", f"path {path!r} leads outside the agent's tree",
+                                "symlinks out of the tree are not followed")
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            return not_found(f"No such file or directory: {path}", code="not_found")
+        if isinstance(e, OSError) and e.errno == errno.ELOOP:
+            return GatewayError(403, "path_outside_root", f"path {path!r} is a symlink; refused")
+        return e
 
     def _stat(self, path: str) -> os.stat_result:
         fd = self._open(path, os.O_PATH)
@@ -132,31 +135,14 @@ class Contents:
             return False
 
     def _read(self, path: str) -> bytes:
-        fd = self._open(path, os.O_PATH)
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise bad_request(f"{path} is not a regular file", code="not_a_file")
-            if info.st_size > READ_CAP:
-                raise GatewayError(413, "file_too_large", f"{path} is {info.st_size} bytes; the limit is {READ_CAP}")
-            # Reopen that very inode for reading, now known to be a regular file.
-            reading = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        finally:
-            os.close(fd)
-        try:
-            chunks, left = [], READ_CAP + 1
-            while left > 0:
-                chunk = os.read(reading, min(left, 1 << 20))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-        finally:
-            os.close(reading)
-        data = b"".join(chunks)
-        if len(data) > READ_CAP:
-            raise GatewayError(413, "file_too_large", f"{path} grew past the limit of {READ_CAP} bytes")
-        return data
+            return wp.read_regular_in_root(self.root, path or ".", READ_CAP, follow_final=True)
+        except wp.NotRegularFile:
+            raise bad_request(f"{path} is not a regular file", code="not_a_file") from None
+        except wp.FileTooLarge as e:
+            raise GatewayError(413, "file_too_large", f"{path} is {e.size} bytes or more; the limit is {READ_CAP}") from None
+        except (wp.PathOutsideRoot, OSError) as e:
+            raise self._refusal(path, e) from None
 
     def _write(self, path: str, data: bytes) -> None:
         """Replace the file at ``path`` atomically; a symlink there is replaced, never followed."""
