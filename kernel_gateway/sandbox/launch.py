@@ -16,8 +16,10 @@ command's start-up cost).  Instead one small static exec in front of bwrap,
 the spawn helper (:func:`trampoline`, ``spawn_helper.c``), joins the
 sandbox's cgroups, sets the resource limits, drops to the agent's uid and
 asks to die with the gateway, then execs bwrap: everything of the sandbox is
-confined from its first instruction, and the cgroup write (which on cgroup
-v1 waits for an RCU grace period, milliseconds) never stalls the event loop.
+confined from its first instruction, and the cgroup write never stalls the
+event loop (a migration takes a lock that every fork on the host holds for
+reading, and bwrap's own clone of its namespaces holds it for milliseconds:
+the gateway writing bwrap's pid itself waited ~4 ms per spawn).
 The gateway may lack CAP_SYS_RESOURCE, so it cannot ``prlimit`` another uid.
 
 Without the helper (no C compiler at install time), ``prlimit`` and

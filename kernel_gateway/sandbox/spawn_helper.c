@@ -14,8 +14,9 @@
  *
  * So everything bwrap and the sandbox will run is in its cgroups and under
  * its limits from the start, and the gateway never forks itself or waits on
- * the cgroup write (cgroup v1 makes a migration wait for an RCU grace period,
- * milliseconds, which must not stall the gateway's event loop).  It is what
+ * the cgroup write (a migration waits for every fork in progress on the host,
+ * and bwrap's clone of its namespaces takes milliseconds: that must not stall
+ * the gateway's event loop).  It is what
  * `prlimit ... -- setpriv ... -- bwrap` does, in one small static exec
  * instead of two dynamic ones.  Any failure exits 127 before the program runs.
  */
