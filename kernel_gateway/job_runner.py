@@ -114,13 +114,27 @@ diff -ruN --no-dereference base tree > change.patch 2> temp/diff-errors.txt
 # per touched file (T a text file patch carries, B a binary file copied from tree).
 APPLY_SCRIPT = r"""
 job=$1; shift
-patch_file="$job/temp/apply-$$.patch"
+# The patch waits in the sandbox's own /tmp: a fixed name in the agent's tree (the shell's pid is
+# always 2 here) could be a directory, a FIFO or a symlink the agent put there first.
+patch_file=$(mktemp /tmp/apply.XXXXXXXX) || exit 5
 cat > "$patch_file" || exit 5
+top=$(pwd -P)
 bad=0
 for entry in "$@"; do
     f=${entry#?:}
-    if [ -e "$job/base/$f" ]; then
-        cmp -s -- "$job/base/$f" "$f" || { printf 'conflict: %s\n' "$f"; bad=1; }
+    # Every directory on the way must still be a directory, not a symlink to one: patch refuses
+    # names through a symlink part-way, and cp would write wherever it led.
+    d=$(dirname -- "$f")
+    while [ ! -e "$d" ] && [ ! -L "$d" ]; do d=$(dirname -- "$d"); done
+    want=$top; [ "$d" = . ] || want="$top/$d"
+    real=$(cd -P -- "$d" 2>/dev/null && pwd -P) || real=
+    if [ "$real" != "$want" ]; then
+        printf 'conflict: %s\n' "$f"; bad=1
+    elif [ -e "$job/base/$f" ]; then
+        # Only the regular file it was (cmp would block on a FIFO, and follow a symlink).
+        if [ -L "$f" ] || [ ! -f "$f" ] || ! cmp -s -- "$job/base/$f" "$f"; then
+            printf 'conflict: %s\n' "$f"; bad=1
+        fi
     elif [ -e "$f" ] || [ -L "$f" ]; then
         printf 'conflict: %s\n' "$f"; bad=1
     fi

@@ -591,3 +591,51 @@ def test_apply_into_an_unwritable_file_or_directory_is_409_and_changes_nothing(g
     assert status == 200, body
     assert (repo / "locked/b.txt").read_text() == "TWO\n" and (repo / "locked/new.txt").read_text() == "new\n"
     assert (repo / "a.txt").read_text() == "ONE\n" and not (repo / "c.txt").exists()
+
+
+def _own(gw, path, agent: str = "alice") -> None:
+    owner = os.stat(pathlib.Path(gw.root) / agent)
+    os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
+
+
+def test_apply_is_not_misled_by_a_file_planted_where_it_stages_the_patch(gw):
+    rel, repo = make_repo(gw, files={"a.txt": "one\n"})
+    job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command": "echo ONE > a.txt"}))
+    # The agent owns the job's directory: it can put anything at any fixed name there first
+    # (the apply's shell always has pid 2 in its sandbox).
+    for pid in range(1, 8):
+        planted = pathlib.Path(job["workspace"]) / "temp" / f"apply-{pid}.patch"
+        planted.mkdir(parents=True)
+        _own(gw, planted)
+    status, body = gw.client.call("POST", f"/v1/agents/alice/jobs/{job['id']}/apply")
+    assert status == 200 and body["applied"] is True, body
+    assert (repo / "a.txt").read_text() == "ONE\n"
+
+
+@pytest.mark.parametrize("swap", ["symlinked_directory", "symlinked_binary_file", "fifo"])
+def test_apply_over_a_file_or_directory_swapped_for_something_else_is_409_and_changes_nothing(gw, swap):
+    files = {"a.txt": "one\n", "sub/b.txt": "two\n", "other/b.txt": "two\n", "sub/z.bin": b"\0z", "other/z.bin": b"\0z"}
+    rel, repo = make_repo(gw, agent="bob", files=files)
+    change = "echo ONE > a.txt; echo TWO > sub/b.txt; printf '\\000Z' > sub/z.bin"
+    job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command": change}, agent="bob"), agent="bob")
+    assert job["patch"]["binary_files"] == ["sub/z.bin"], job
+    if swap == "fifo":  # cmp would wait for a writer until the command's wall limit
+        os.unlink(repo / "sub/b.txt")
+        os.mkfifo(repo / "sub/b.txt")
+        _own(gw, repo / "sub/b.txt", "bob")
+    elif swap == "symlinked_directory":  # same content behind it; patch refuses such a name part-way
+        for name in os.listdir(repo / "sub"):
+            os.unlink(repo / "sub" / name)
+        os.rmdir(repo / "sub")
+        os.symlink("other", repo / "sub")
+        _own(gw, repo / "sub", "bob")
+    else:  # same content behind it; cp would write through it into other/
+        os.unlink(repo / "sub/z.bin")
+        os.symlink("../other/z.bin", repo / "sub/z.bin")
+        _own(gw, repo / "sub/z.bin", "bob")
+    swapped = "sub/z.bin" if swap == "symlinked_binary_file" else "sub/b.txt"
+    before = tree_digest(str(repo))
+    status, body = gw.client.call("POST", f"/v1/agents/bob/jobs/{job['id']}/apply", timeout=60)
+    assert status == 409 and body["error"]["code"] == "source_changed", body
+    assert swapped in body["error"]["message"] and "a.txt," not in body["error"]["message"], body
+    assert tree_digest(str(repo)) == before and (repo / "a.txt").read_text() == "one\n"
