@@ -254,3 +254,15 @@ def test_the_gateway_keeps_no_more_spares_than_its_limit(tmp_path):
         assert body["exit_code"] == 0 and float(body["stdout"]) < 0.2, body
     finally:
         gw.stop()
+
+
+def test_a_working_directory_whose_name_is_not_utf8_runs_fresh_and_in_a_spare(gw):
+    # The agent names its directories as it likes; Linux paths are bytes, not text.
+    made = run(gw, "bob", {"command": "mkdir \"$(printf 'raw\\377')\" && ln -s \"$(printf 'raw\\377')\" to-raw"})
+    assert made["exit_code"] == 0, made
+    for _ in range(2):  # the first sets its sandbox up, the second runs in the spare the first left
+        body = run(gw, "bob", {"argv": ["python3", "-c", "import os; print(os.getcwdb())"], "cwd": "to-raw"})
+        assert body["exit_code"] == 0 and body["stdout"].endswith("/bob/raw\\xff'\n"), body
+        time.sleep(0.3)
+    body = run(gw, "bob", {"argv": ["python3", "-c", AGE], "cwd": "to-raw"})
+    assert float(body["stdout"]) >= 0.2, body

@@ -206,7 +206,9 @@ def _rlimits(limits: Limits, with_nproc: bool, per_uid: int | None = None) -> li
 
 def _memfd(name: str, text: str) -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.write(fd, text.encode())
+    # A placeholder may be a path the agent named with bytes that are not UTF-8 (a working
+    # directory in /etc/passwd): written back as the bytes they were, like every other path.
+    os.write(fd, text.encode("utf-8", "surrogateescape"))
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
