@@ -138,6 +138,8 @@ class Kernel:
         if options.run_as is not None:
             config.SandboxedKernelProvisioner.uid = options.run_as.uid
             config.SandboxedKernelProvisioner.gid = options.run_as.gid
+            if options.run_as.max_processes is not None:
+                config.SandboxedKernelProvisioner.max_processes = options.run_as.max_processes
         config.SandboxedKernelProvisioner.read_only = [
             {"from": EXTENSION_FILE, "at": f"{EXTENSION_DIR_INSIDE}/{KERNEL_EXTENSION}.py"}
         ] + list(options.read_only)

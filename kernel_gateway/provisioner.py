@@ -61,6 +61,9 @@ class SandboxedKernelProvisioner(LocalProvisioner):
     cgroup_prefix = Unicode("kernel", config=True, help="Name prefix of the kernel's cgroup.")
     uid = Int(-1, config=True, help="Host uid the sandbox runs as; -1: this process's own.")
     gid = Int(-1, config=True, help="Host gid the sandbox runs as; -1: the same number as uid.")
+    max_processes = Int(
+        -1, config=True, help="RLIMIT_NPROC of that uid (all of the agent's sandboxes together); -1: none."
+    )
     values = Dict(config=True, help="Extra placeholder values for the profile.")
     env = Dict(config=True, help="Extra environment variables inside the sandbox.")
     read_write = List(config=True, help='Extra paths bound read-write (a path, or {"from", "at"}).')
@@ -108,7 +111,9 @@ class SandboxedKernelProvisioner(LocalProvisioner):
     def _run_as(self) -> launch.RunAs | None:
         if self.uid < 0:
             return None
-        return launch.RunAs(self.uid, self.gid if self.gid >= 0 else self.uid)
+        # The uid's process cap too: without it a kernel could fork until no other sandbox of its agent starts.
+        limit = self.max_processes if self.max_processes >= 0 else None
+        return launch.RunAs(self.uid, self.gid if self.gid >= 0 else self.uid, limit)
 
     def _hand_over_runtime_dir(self, run_as: launch.RunAs | None) -> None:
         """The kernel creates its ipc sockets there and reads its connection file."""

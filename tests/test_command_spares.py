@@ -266,3 +266,33 @@ def test_a_working_directory_whose_name_is_not_utf8_runs_fresh_and_in_a_spare(gw
         time.sleep(0.3)
     body = run(gw, "bob", {"argv": ["python3", "-c", AGE], "cwd": "to-raw"})
     assert float(body["stdout"]) >= 0.2, body
+
+
+def test_a_command_when_the_agents_processes_are_at_their_limit_is_a_clear_503(tmp_path):
+    # A uid range of its own: other gateways on the machine hand out uids from 200000.
+    gw = GatewayProcess(tmp_path, "--Gateway.agent_max_processes=40", "--Gateway.spare_kernels=False",
+                        "--Gateway.agent_uid_start=241000").start()
+    try:
+        assert gw.client.call("PUT", "/v1/agents/hal")[0] == 201
+        warm(gw, "hal")
+        # The kernel forks until the uid's RLIMIT_NPROC says no; its children stay.
+        bomb = ("import os, time\nn = 0\nwhile n < 200:\n    try:\n        pid = os.fork()\n    except OSError:\n"
+                "        break\n    if pid == 0:\n        time.sleep(600)\n        os._exit(0)\n    n += 1\nprint(n)")
+        status, body = gw.client.execute("hal", "s1", bomb)
+        assert status == 200 and 0 < int(body["text"]) < 40, body
+        # The spare was set up before: its command still runs.
+        assert run(gw, "hal", {"argv": ["echo", "in the spare"]})["stdout"] == "in the spare\n"
+        # A sandbox set up now cannot start: a JSON error saying why, not the command's "exit 127".
+        for _ in range(2):
+            status, body = gw.client.call("POST", "/v1/agents/hal/commands", {"argv": ["echo", "hi"]})
+            assert status == 503 and body["error"]["code"] == "process_limit", body
+            assert "limit of 40" in body["error"]["message"] and "restart or stop its session" in body["error"]["hint"]
+        # Once they are gone, commands start again; a command's own exit 127 or 1 stays the command's.
+        assert gw.client.call("DELETE", "/v1/agents/hal/sessions/s1")[0] == 200
+        assert wait_until(lambda: len(uid_processes(host_uid(gw, "hal"), gw.root)) < 10)
+        body = run(gw, "hal", {"command": "no-such-program-kg"})
+        assert body["exit_code"] == 127 and "not found" in body["stderr"], body
+        body = run(gw, "hal", {"command": "echo out; echo 'bwrap: x: Resource temporarily unavailable' >&2; exit 1"})
+        assert (body["exit_code"], body["stdout"]) == (1, "out\n"), body
+    finally:
+        gw.stop()

@@ -286,6 +286,31 @@ async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.close()
 
 
+# How a sandbox that never started ends: the spawn helper (127) or bwrap itself (1) says why in one line.
+_UNSTARTED = {127: "kg-spawn-helper: ", 1: "bwrap: "}
+
+
+def _refuse_unstarted(exit_code: int | None, out: BoundedStream, err: BoundedStream, run_as: launch.RunAs | None) -> None:
+    """503 when a fresh sandbox could not start because the agent's uid is at its process limit.
+
+    Every process of an agent counts against one RLIMIT_NPROC (a fork bomb in its kernel uses it
+    up); the helper's exec or bwrap's clone then fails with EAGAIN before anything of the
+    command's runs, which would otherwise read as the command's own exit 127 or 1.
+    """
+    line = bytes(err.kept).decode("utf-8", "replace")
+    prefix = _UNSTARTED.get(exit_code) if exit_code is not None else None
+    if prefix is None or out.total or err.truncated or not line.startswith(prefix) or line.count("\n") != 1:
+        return
+    if not line.rstrip("\n").endswith(os.strerror(errno.EAGAIN)):
+        return
+    limit = f" of {run_as.max_processes}" if run_as is not None and run_as.max_processes else ""
+    raise GatewayError(
+        503, "process_limit",
+        f"the command's sandbox could not start: the agent's processes are at their limit{limit} ({line.strip()})",
+        "end some of the agent's processes (a kernel that forked too many: restart or stop its session), then retry",
+    )
+
+
 async def run_command(
     request: dict,
     *,
@@ -405,6 +430,7 @@ async def run_command(
         err.close()
 
     exit_code, signum = launch.exit_status(process.returncode)
+    _refuse_unstarted(exit_code, out, err, run_as)  # a spare too: its set-up may have failed the same way
     signal_name = signal.Signals(signum).name if signum else None
     result = {
         "exit_code": exit_code,
