@@ -152,6 +152,17 @@ for entry in "$@"; do
     fi
 done
 [ $bad = 0 ] || { rm -f "$patch_file"; exit 7; }
+# A binary file is copied from the job's tree/ after the text is patched: it must still be the
+# regular, readable file the patch was made from, or the copy would fail part-way (or follow a link).
+for entry in "$@"; do
+    case $entry in
+    B:*) t="$job/tree/${entry#B:}"
+         if { [ -e "$t" ] || [ -L "$t" ]; } && { [ -L "$t" ] || [ ! -f "$t" ] || [ ! -r "$t" ]; }; then
+             printf 'unreadable: %s\n' "${entry#B:}"; bad=1
+         fi;;
+    esac
+done
+[ $bad = 0 ] || { rm -f "$patch_file"; exit 8; }
 if [ -s "$patch_file" ]; then
     patch -p1 -E -N -f -s --dry-run -i "$patch_file" || { rm -f "$patch_file"; exit 4; }
     patch -p1 -E -N -f -s -i "$patch_file" || { rm -f "$patch_file"; exit 6; }
@@ -622,6 +633,14 @@ async def apply_patch(ctx: Context, job: Any, data: bytes) -> dict:
             f"{len(unwritable)} file(s) the patch writes in {job.source!r} cannot be written: {', '.join(unwritable)};"
             " nothing was applied",
             "make them (and their directories) writable again, then apply; read-only Library files cannot be patched",
+        )
+    if ran["exit_code"] == 8:
+        unreadable = [line[len("unreadable: "):] for line in ran["stdout"].splitlines() if line.startswith("unreadable: ")]
+        raise GatewayError(
+            409, "job_tree_changed",
+            f"{len(unreadable)} binary file(s) in the job's tree/ are no longer regular, readable files: "
+            f"{', '.join(unreadable)}; nothing was applied",
+            "run the job again (its tree/ is what the patch carries for binary files)",
         )
     if ran["exit_code"] == 4:
         raise GatewayError(409, "patch_does_not_apply", f"the patch does not apply to {job.source!r}; nothing was applied: {output}")

@@ -639,3 +639,22 @@ def test_apply_over_a_file_or_directory_swapped_for_something_else_is_409_and_ch
     assert status == 409 and body["error"]["code"] == "source_changed", body
     assert swapped in body["error"]["message"] and "a.txt," not in body["error"]["message"], body
     assert tree_digest(str(repo)) == before and (repo / "a.txt").read_text() == "one\n"
+
+
+@pytest.mark.parametrize("swap", ["unreadable", "fifo"])
+def test_apply_when_a_binary_file_in_the_jobs_tree_changed_is_409_and_changes_nothing(gw, swap):
+    rel, repo = make_repo(gw, files={"a.txt": "one\n", "z.bin": b"\0z"})
+    job = wait(gw, submit(gw, {"kind": "command", "from": rel, "command": "echo ONE > a.txt; printf '\\000Z' > z.bin"}))
+    assert job["patch"]["binary_files"] == ["z.bin"], job
+    # The job's tree/ is the agent's: after the job it can change it like any of its files.
+    carried = pathlib.Path(job["workspace"]) / "tree" / "z.bin"
+    if swap == "unreadable":  # cp would fail after a.txt was patched
+        os.chmod(carried, 0)
+    else:  # not a regular file: the source's z.bin would be deleted instead
+        os.unlink(carried)
+        os.mkfifo(carried)
+        _own(gw, carried)
+    before = tree_digest(str(repo))
+    status, body = gw.client.call("POST", f"/v1/agents/alice/jobs/{job['id']}/apply")
+    assert status == 409 and body["error"]["code"] == "job_tree_changed" and "z.bin" in body["error"]["message"], body
+    assert tree_digest(str(repo)) == before and (repo / "z.bin").read_bytes() == b"\0z"
