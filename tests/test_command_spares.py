@@ -296,3 +296,18 @@ def test_a_command_when_the_agents_processes_are_at_their_limit_is_a_clear_503(t
         assert (body["exit_code"], body["stdout"]) == (1, "out\n"), body
     finally:
         gw.stop()
+
+
+def test_kill_minus_one_from_a_command_or_a_kernel_does_not_reach_the_waiting_spare(gw):
+    # The same host uid runs every sandbox of the agent; only the pid namespaces keep them apart.
+    warm(gw, "alice")
+    body = run(gw, "alice", {"command": "sleep 1; kill -9 -1; echo survived"})  # its spare is up by then
+    assert body["stdout"] == "survived\n", body
+    time.sleep(0.3)
+    assert float(run(gw, "alice", {"argv": ["python3", "-c", AGE]})["stdout"]) >= 1, "the spare was killed"
+    time.sleep(0.3)
+    status, body = gw.client.execute("alice", "s1", "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\n"
+                                                 "except ProcessLookupError:\n    pass  # nothing else in its namespace\n"
+                                                 "print('alive')")
+    assert status == 200 and body["text"] == "alive\n", body
+    assert float(run(gw, "alice", {"argv": ["python3", "-c", AGE]})["stdout"]) >= 0.2, "the spare was killed"
