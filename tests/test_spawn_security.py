@@ -529,6 +529,31 @@ def test_reach_aliases_only_symlink_free_paths_and_binds_what_it_opened(tmp_path
         assert sum(line.split()[4] == alias for line in f) == 1
 
 
+def test_sources_below_one_unsearchable_directory_share_one_alias(tmp_path):
+    """The host's mounts do not grow with the agents: every bwrap start reads them all."""
+    private = tmp_path / "private"
+    for agent in ("a", "b", "c"):
+        (private / "agents" / agent).mkdir(parents=True)
+        os.chown(private / "agents" / agent, 234100, 234100)
+        os.chmod(private / "agents" / agent, 0o700)
+        (private / "agents" / agent / "SOUL.md").write_text(agent)
+        os.chown(private / "agents" / agent / "SOUL.md", 234100, 234100)
+    os.chmod(private, 0o700)
+    os.chmod(private / "agents", 0o711)
+    with open("/proc/self/mountinfo") as f:
+        before = len(f.readlines())
+    seen = [reach.reachable(str(private / "agents" / agent / name), 234100, 234100)
+            for agent in ("a", "b", "c") for name in ("", "SOUL.md")]
+    with open("/proc/self/mountinfo") as f:
+        assert len(f.readlines()) == before + 1, seen
+    point = seen[0].rstrip("/").rsplit("/", 1)[0]
+    assert all(path.startswith(point + "/") for path in seen)
+    assert open(seen[1]).read() == "a" and open(seen[5]).read() == "c"
+    # Below the alias point each directory's own mode still rules: another uid is stopped at the tree.
+    assert not reach._may_search(seen[0].rstrip("/"), 234101, 234101)
+    assert reach.can_search(seen[1], 234100, 234100)
+
+
 def test_aliases_of_a_gateway_that_is_gone_are_swept(tmp_path):
     private = tmp_path / "private"
     (private / "data").mkdir(parents=True)
@@ -544,3 +569,40 @@ def test_aliases_of_a_gateway_that_is_gone_are_swept(tmp_path):
     with open("/proc/self/mountinfo") as f:
         assert dead not in f.read()
     assert (private / "data").is_dir()  # the source itself is untouched
+
+
+def test_the_shared_alias_of_the_agents_sockets_lets_each_uid_reach_only_its_own(tmp_path):
+    gw = GatewayProcess(tmp_path).start()
+    try:
+        for agent in ("alice", "bob"):
+            assert gw.client.call("PUT", f"/v1/agents/{agent}")[0] == 201
+            assert gw.client.call("POST", f"/v1/agents/{agent}/commands", {"argv": ["true"]})[0] == 200
+        sockets = os.path.join(gw.state, "agents")
+        assert stat.S_IMODE(os.stat(sockets).st_mode) == 0o711
+        uid = {a: os.stat(os.path.join(gw.root, a)).st_uid for a in ("alice", "bob")}
+        alias = reach.reachable(os.path.join(sockets, "alice.sock"), uid["alice"], uid["alice"])
+        where = os.path.dirname(alias)
+        assert where != sockets and where.startswith(reach.ALIAS_DIR + "/")
+        probe = ("import socket, sys, os\n"
+                 "for name in sys.argv[1:]:\n"
+                 "    s = socket.socket(socket.AF_UNIX)\n"
+                 "    try:\n"
+                 "        s.connect(name); print('connected', os.path.basename(name))\n"
+                 "    except OSError as e:\n"
+                 "        print('refused', os.path.basename(name), e.errno)\n"
+                 "try:\n"
+                 "    os.listdir(os.path.dirname(sys.argv[1])); print('listed')\n"
+                 "except OSError as e:\n"
+                 "    print('no listing', e.errno)\n")
+        import subprocess
+        import sys
+
+        done = subprocess.run(
+            ["setpriv", f"--reuid={uid['alice']}", f"--regid={uid['alice']}", "--clear-groups", sys.executable, "-I",
+             "-c", probe, os.path.join(where, "alice.sock"), os.path.join(where, "bob.sock")],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert done.stdout.splitlines() == ["connected alice.sock", f"refused bob.sock {errno.EACCES}",
+                                            f"no listing {errno.EACCES}"], done
+    finally:
+        gw.stop()

@@ -4,23 +4,30 @@ An unprivileged bwrap resolves each bind source with its own uid, so a source
 below a directory it may not search (a Python under ``/root``, a state
 directory of mode 0700, a test's private temp dir) fails with EACCES.  The
 sources are the operator's and the gateway's own paths, never the agent's,
-so instead of loosening the host's permissions the gateway binds each such
-source on an empty mount point under :data:`ALIAS_DIR` (mode 0711, one
-directory per gateway process) and bwrap binds it from there.  An alias
-only skips the search permission of the directories above the source: the
-source's own owner and mode still decide who may open it (an agent's tree is
-0700 and its own, its socket 0600 and its own).  The aliases are unmounted
+so instead of loosening the host's permissions the gateway binds the
+highest directory above such a source from which the uid can walk down to it
+(the child of the deepest directory it may not search) on an empty mount
+point under :data:`ALIAS_DIR` (mode 0711, one directory per gateway process),
+and bwrap binds the source from there.  Every source beneath that directory
+shares the one mount (the agents' trees, the agents' sockets): the mounts stay
+a handful however many agents there are, which matters because each mount in
+the host's namespace makes every bwrap start slower.  An alias only skips the
+search permission of the directories above it: below it, the owner and mode
+of each directory and of the source still decide who may go on (an agent's
+tree is 0700 and its own, its socket 0600 and its own).  The aliases are unmounted
 when the gateway exits, and a later gateway sweeps those of one that died.
 
 The aliases live in the host's mount namespace, as every other mount the
 gateway makes (an agent's disk image) does: a namespace of its own would
 hide those from the host.
 
-Only a path without any symlink on it is aliased, and it is opened with
-``openat2(RESOLVE_NO_SYMLINKS)`` and mounted through that fd, so nothing an
-agent can rename or relink in its tree can make the gateway bind something
-else; a path that does not qualify is left for bwrap to resolve with the
-sandbox's own uid (and fails there, clearly, if that uid may not reach it).
+Only a path without any symlink on it is aliased, and the alias point is
+opened with ``openat2(RESOLVE_NO_SYMLINKS)`` and mounted through that fd, so
+nothing an agent can rename or relink can make the gateway (root) mount
+something else; the rest of the way, below the alias point, is resolved by
+bwrap as the sandbox's own uid, which reaches nothing that uid could not.  A
+path that does not qualify is left for bwrap to resolve with the sandbox's
+own uid (and fails there, clearly, if that uid may not reach it).
 """
 
 from __future__ import annotations
@@ -64,25 +71,46 @@ class Unreachable(OSError):
     """A bind source cannot be made reachable for the sandbox uid."""
 
 
+def _may_search(directory: str, uid: int, gid: int) -> bool:
+    """Whether ``uid``/``gid`` (no supplementary groups) may search ``directory`` itself."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return False
+    if st.st_uid == uid:
+        bit = stat.S_IXUSR
+    elif st.st_gid == gid:
+        bit = stat.S_IXGRP
+    else:
+        bit = stat.S_IXOTH
+    return bool(st.st_mode & bit)
+
+
 def can_search(path: str, uid: int, gid: int) -> bool:
     """Whether ``uid``/``gid`` (no supplementary groups) may search every directory above ``path``."""
     parent = os.path.dirname(path)
     while True:
-        try:
-            st = os.stat(parent)
-        except OSError:
-            return False
-        if st.st_uid == uid:
-            bit = stat.S_IXUSR
-        elif st.st_gid == gid:
-            bit = stat.S_IXGRP
-        else:
-            bit = stat.S_IXOTH
-        if not st.st_mode & bit:
+        if not _may_search(parent, uid, gid):
             return False
         if parent == "/":
             return True
         parent = os.path.dirname(parent)
+
+
+def _alias_point(real: str, uid: int, gid: int) -> str:
+    """The highest directory above ``real`` (or ``real`` itself) from which ``uid`` can walk down to it.
+
+    Its parent is one ``uid`` may not search.  Aliasing it, not each source, lets every source
+    beneath it share one mount: each mount in the host's namespace makes every bwrap start
+    slower (bwrap reads the mount table for each of its binds), so their number must not
+    grow with the number of agents.
+    """
+    point = real
+    while True:
+        parent = os.path.dirname(point)
+        if parent == point or not _may_search(parent, uid, gid):
+            return point
+        point = parent
 
 
 def _process_tag(pid: int | str) -> str | None:
@@ -199,8 +227,10 @@ def reachable(source: str, uid: int, gid: int) -> str:
     if real != os.path.normpath(source) or can_search(real, uid, gid):
         answer = source
     else:
+        point = _alias_point(real, uid, gid)
         with _lock:
-            answer = _alias(real)
+            alias = _alias(point)
+        answer = alias if point == real else os.path.join(alias, os.path.relpath(real, point))
     if len(_answers) < 4096:  # on every spawn's path: each bind source is looked at once
         _answers[key] = answer
     return answer
