@@ -21,7 +21,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e ".[data,test]"
+.venv/bin/python -m pip install -q -e ".[data,test,lab]"
 # Two small static programs of the spawn path, when a C compiler is there:
 # - kg-spawn-helper, one exec (rlimits, then the agent's uid) in front of bwrap;
 #   without it the gateway uses prlimit and setpriv (a little slower);
