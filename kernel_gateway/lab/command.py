@@ -155,7 +155,10 @@ def lab_argv(root: str, log_level: str) -> list[str]:
         f"--ServerApp.kernel_manager_class={managers}.PairedKernelManager",
         f"--ServerApp.session_manager_class={managers}.PairedSessionManager",
         f"--GatewayClient.url=http://{GATEWAY_HOST}/agents/me",
+        "--ServerApp.ip=127.0.0.1",  # only names the server in its log: it serves on the socket
+        # No network in the sandbox: nothing to check or install from.
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly",
         f"--ServerApp.log_level={log_level}",
     ]
 

@@ -16,6 +16,7 @@ culler stops them when they are idle, as any other).
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 from jupyter_server.gateway.gateway_client import GatewayClient, gateway_request
@@ -27,9 +28,17 @@ from tornado.escape import json_decode, json_encode
 RTC_DRIVE = "RTC:"
 
 
-def _notebook_path(path: str | None) -> str | None:
+def notebook_path(path: str | None, name: Any) -> str | None:
+    """The notebook a new Lab session is for.
+
+    JupyterLab starts a document's session at a placeholder path beside it
+    (``<folder>/<uuid>``, named after the file) and moves it to the file's
+    path once it has its kernel; ``name`` is the notebook's file name.
+    """
     if path and path.startswith(RTC_DRIVE):
-        return path[len(RTC_DRIVE):]
+        path = path[len(RTC_DRIVE):]
+    if path and isinstance(name, str) and name.endswith(".ipynb") and "/" not in name and posixpath.basename(path) != name:
+        path = posixpath.join(posixpath.dirname(path), name)
     return path
 
 
@@ -58,9 +67,9 @@ class PairedSessionManager(GatewaySessionManager):
         kernel_name: Any,
         kernel_id: str | None = None,
     ) -> str:
-        path = _notebook_path(path)
-        if type == "notebook" and path and kernel_id is None:
-            kernel_id = await self.notebook_kernel_id(path, kernel_name)
+        notebook = notebook_path(path, name)
+        if type == "notebook" and notebook and kernel_id is None:
+            kernel_id = await self.notebook_kernel_id(notebook, kernel_name)
             if kernel_id in self.kernel_manager:
                 return kernel_id  # another Lab session of this notebook has it already
         # With a kernel id, GatewayKernelManager.start_kernel adopts that kernel instead of starting one.
