@@ -251,7 +251,7 @@ def test_lab_sees_the_agents_tree_read_write_and_the_python_environment_read_onl
     assert os.path.isdir(seen + alice)
     # (/root may exist as the way to a Python environment under it, and holds nothing else.)
     for hidden in (gw.state, root_of(gw, "bob"), os.path.dirname(alice) + "/bob", "/root/.ssh", "/root/.bashrc",
-                   "/home", "/etc/shadow", "/var", os.path.dirname(os.path.dirname(gw.state)) + "/gateway.log"):
+                   "/home", "/etc/shadow", "/var", os.path.dirname(gw.state) + "/gateway.log"):
         assert not os.path.exists(seen + hidden), hidden
     with open(seen + "/etc/passwd") as f:
         assert f.read() == "agent:x:1000:1000:agent:/tmp/home:/bin/sh\n"

@@ -154,6 +154,7 @@ def lab_argv(root: str, log_level: str) -> list[str]:
         "--ServerApp.terminals_enabled=False",
         f"--ServerApp.kernel_manager_class={managers}.PairedKernelManager",
         f"--ServerApp.session_manager_class={managers}.PairedSessionManager",
+        "--ServerApp.kernel_websocket_connection_class=kernel_gateway.lab.connections.SameProtocolGatewayConnection",
         f"--GatewayClient.url=http://{GATEWAY_HOST}/agents/me",
         "--ServerApp.ip=127.0.0.1",  # only names the server in its log: it serves on the socket
         # No network in the sandbox: nothing to check or install from.

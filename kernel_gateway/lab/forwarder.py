@@ -41,6 +41,7 @@ class Forwarder:
         self.listener, self.target = listener, target
         self.server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, sock=self.listener)
@@ -55,9 +56,11 @@ class Forwarder:
             except OSError:
                 await _close(writer)
                 return
+            self._writers |= {writer, upstream_writer}
             try:
                 await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
             finally:
+                self._writers -= {writer, upstream_writer}
                 await _close(upstream_writer)
                 await _close(writer)
         finally:
@@ -67,8 +70,8 @@ class Forwarder:
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        for task in list(self._tasks):
-            task.cancel()
+        for writer in list(self._writers):
+            writer.transport.abort()  # both pipes of the connection see it end, and return
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.server is not None:

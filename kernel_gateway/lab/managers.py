@@ -68,6 +68,7 @@ class PairedSessionManager(GatewaySessionManager):
         kernel_id: str | None = None,
     ) -> str:
         notebook = notebook_path(path, name)
+        self.log.info("session %s for %s %r (named %r): the notebook %r", session_id, type, path, name, notebook)
         if type == "notebook" and notebook and kernel_id is None:
             kernel_id = await self.notebook_kernel_id(notebook, kernel_name)
             if kernel_id in self.kernel_manager:
