@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install everything the gateway needs into ./.venv: bubblewrap (apt-get, when
-# root and missing), a virtualenv, the package with its data and test extras.
+# Install everything the gateway needs into ./.venv: bubblewrap and chromium (apt-get,
+# when root and missing), a virtualenv, the package with its data, test and lab extras
+# (the test extra has playwright, which drives chromium in the JupyterLab browser tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +14,17 @@ if ! command -v bwrap >/dev/null 2>&1; then
         echo "bubblewrap (bwrap) is missing: install the package 'bubblewrap'" >&2
         echo "  e.g. sudo apt-get install bubblewrap   or   sudo dnf install bubblewrap" >&2
         exit 1
+    fi
+fi
+
+# The JupyterLab browser tests drive Debian's chromium: playwright cannot download a browser here.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing chromium with apt-get (for the JupyterLab browser tests) ..."
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "note: chromium is missing: tests/test_lab_browser.py will skip (apt-get install chromium)" >&2
     fi
 fi
 
