@@ -223,3 +223,27 @@ def test_the_file_browser_shows_the_agents_tree_and_nothing_else(gw, lab, page):
     crumbs = page.locator(".jp-FileBrowser .jp-BreadCrumbs")
     expect(crumbs).to_be_visible()
     assert not {"agents", "alice", os.path.basename(os.path.dirname(root))} & set(crumbs.inner_text().split("/"))
+
+
+def test_the_debugger_stops_at_a_breakpoint_in_the_sandboxed_kernel(gw, lab, page):
+    from playwright.sync_api import expect
+
+    path = agent_notebook(gw, "def double(n):\n    doubled = n * 2\n    return doubled\n\nresult = double(21)\nprint('result', result)")
+    open_notebook(page, lab, path)
+    toggle = page.locator(f"{PANEL} .jp-DebuggerBugButton")
+    expect(toggle).to_be_enabled()  # the kernelspec and the kernel both say they can debug
+    toggle.click()
+    expect(toggle).to_have_attribute("aria-pressed", "true")
+    cell = page.locator(f"{PANEL} .jp-Notebook .jp-Cell").first
+    cell.click()
+    # A breakpoint on line 2 (`doubled = n * 2`): the editor's breakpoint gutter.
+    cell.locator(".cm-breakpoint-gutter .cm-gutterElement").nth(2).click()
+    expect(cell.locator(".cm-breakpoint-gutter .cm-gutterElement").nth(2).locator(":scope > *")).to_have_count(1)
+    page.keyboard.press("Shift+Enter")
+    # Stopped there: the call stack names the function, and the variables of its frame show.
+    callstack = page.locator(".jp-DebuggerCallstack")
+    expect(callstack).to_contain_text("double")
+    expect(page.locator(".jp-DebuggerVariables")).to_contain_text("21")  # n: 21
+    page.screenshot(path=str(ARTIFACTS / "lab-debugger.png"))
+    page.get_by_title(re.compile(r"^Continue")).first.click()
+    expect(output_with(page, "result 42")).to_be_visible()
