@@ -350,3 +350,23 @@ def test_sigterm_stops_lab_too(gw, tmp_path):
     pids = third.server_pids()
     assert third.stop(signal.SIGTERM) == 0
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), timeout=30)
+
+
+def test_the_lab_profile_has_the_walls_of_every_profile():
+    from kernel_gateway.lab.command import sandbox_values
+    from kernel_gateway.sandbox.profile import compile_profile, created_files, load_profile
+
+    profile = load_profile("lab")
+    values = sandbox_values("alice", "/srv/agents/alice", "/srv/state/agents/alice.sock", "/tmp/kg-lab-x")
+    files = created_files(profile, values)
+    argv = compile_profile(profile, values, data_fds=list(range(20, 20 + len(files))), seccomp_fd=9).argv
+    for flag in ("--unshare-net", "--disable-userns", "--unshare-user", "--unshare-pid", "--new-session",
+                 "--die-with-parent"):
+        assert flag in argv, flag
+    assert argv[argv.index("--seccomp") + 1] == "9" and argv[argv.index("--cap-drop") + 1] == "ALL"
+    binds = [(argv[i], argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a.startswith("--") and "bind" in a
+             and a != "--ro-bind-data"]
+    writable = {at for flag, _, at in binds if flag in ("--bind", "--bind-try")}
+    assert writable == {"/srv/agents/alice", "/run/lab", "/run/kernel-gateway.sock"}
+    assert ("--bind", "/srv/state/agents/alice.sock", "/run/kernel-gateway.sock") in binds
+    assert not any(source.startswith("/srv/state") and at != "/run/kernel-gateway.sock" for _, source, at in binds)
