@@ -370,3 +370,44 @@ def test_the_lab_profile_has_the_walls_of_every_profile():
     assert writable == {"/srv/agents/alice", "/run/lab", "/run/kernel-gateway.sock"}
     assert ("--bind", "/srv/state/agents/alice.sock", "/run/kernel-gateway.sock") in binds
     assert not any(source.startswith("/srv/state") and at != "/run/kernel-gateway.sock" for _, source, at in binds)
+
+
+def test_the_relay_never_connects_through_a_link_jupyterlab_could_plant(tmp_path):
+    """The relay runs as root; the socket's directory is JupyterLab's (the agent's uid) to write."""
+    import asyncio
+
+    from kernel_gateway.lab.forwarder import SocketInDirectory
+
+    secret = socket.socket(socket.AF_UNIX)  # stands for the gateway's control socket
+    secret.bind(str(tmp_path / "control.sock"))
+    secret.listen(4)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    (runtime / "lab.sock").symlink_to(tmp_path / "control.sock")
+    target = SocketInDirectory(str(runtime), "lab.sock", os.geteuid())
+
+    async def attempt():
+        reader, writer = await target.connect()
+        writer.close()
+
+    assert not target.exists()
+    with pytest.raises(ConnectionRefusedError, match="not a socket of uid"):
+        asyncio.run(attempt())
+    secret.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        secret.accept()  # nothing reached it
+    # A real socket there, of the wrong owner: refused too; of the right owner: connected.
+    (runtime / "lab.sock").unlink()
+    lab = socket.socket(socket.AF_UNIX)
+    lab.bind(str(runtime / "lab.sock"))
+    lab.listen(4)
+    if os.geteuid() == 0:
+        os.chown(runtime / "lab.sock", 54321, 54321, follow_symlinks=False)
+        with pytest.raises(ConnectionRefusedError):
+            asyncio.run(attempt())
+        os.chown(runtime / "lab.sock", 0, 0, follow_symlinks=False)
+    assert target.exists()
+    asyncio.run(attempt())
+    lab.settimeout(5)
+    lab.accept()[0].close()
+    target.close()

@@ -57,7 +57,7 @@ def browser():
 
     with sync_playwright() as p:
         # --no-sandbox: chromium's own sandbox needs an unprivileged user; the tests may run as root.
-        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield chromium
         chromium.close()
 

@@ -41,7 +41,7 @@ from ..provisioner import python_env_paths
 from ..sandbox import launch
 from ..sandbox.profile import ProfileError, load_profile
 from ..workspace import check_agent_key
-from .forwarder import Forwarder
+from .forwarder import Forwarder, SocketInDirectory
 from .resolver import GATEWAY_HOST, SANDBOX_SOCKET
 
 DEFAULT_PORT = 8888
@@ -122,7 +122,10 @@ def tree_owner(root: str) -> launch.RunAs | None:
             f"the agent's tree belongs to uid {uid}: only root can start its sandbox as that uid",
             "run kernel-gateway lab as the user the gateway runs as (root)",
         )
-    return launch.RunAs(uid, uid)
+    # Under the agent uid's RLIMIT_NPROC, as all its sandboxes (the gateway's default cap).
+    from ..settings import Gateway
+
+    return launch.RunAs(uid, uid, Gateway.agent_max_processes.default_value)
 
 
 def listen(port: int) -> socket.socket:
@@ -192,10 +195,10 @@ def lab_profile(name_or_path: str, root: str) -> dict:
     return profile
 
 
-async def _http(socket_path: str, method: str, path: str, token: str, timeout: float = 5.0) -> int:
+async def _http(target: SocketInDirectory, method: str, path: str, token: str, timeout: float = 5.0) -> int:
     """The status of one HTTP request to Lab's Unix socket (0 if it did not answer)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(socket_path), timeout)
+        reader, writer = await asyncio.wait_for(target.connect(), timeout)
     except (OSError, asyncio.TimeoutError):
         return 0
     try:
@@ -216,9 +219,9 @@ async def _http(socket_path: str, method: str, path: str, token: str, timeout: f
 class LabProcess:
     """JupyterLab in its sandbox, from start to a clean end."""
 
-    def __init__(self, prepared: launch.PreparedSandbox, runtime_dir: str, token: str):
+    def __init__(self, prepared: launch.PreparedSandbox, runtime_dir: str, token: str, owner: int):
         self.prepared, self.runtime_dir, self.token = prepared, runtime_dir, token
-        self.socket_path = os.path.join(runtime_dir, SOCKET_NAME)
+        self.socket = SocketInDirectory(runtime_dir, SOCKET_NAME, owner)
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
@@ -237,7 +240,7 @@ class LabProcess:
             if self.process.returncode is not None:
                 raise LabError(f"JupyterLab exited with status {self.process.returncode} before it was ready",
                                "its messages are above")
-            if os.path.exists(self.socket_path) and await _http(self.socket_path, "GET", "/api/status", self.token) == 200:
+            if self.socket.exists() and await _http(self.socket, "GET", "/api/status", self.token) == 200:
                 return
             try:
                 await asyncio.wait_for(asyncio.shield(self.process.wait()), 0.2)
@@ -248,7 +251,7 @@ class LabProcess:
     async def stop(self) -> None:
         process = self.process
         if process is not None and process.returncode is None:
-            await _http(self.socket_path, "POST", "/api/shutdown", self.token)
+            await _http(self.socket, "POST", "/api/shutdown", self.token)
             try:
                 await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
             except asyncio.TimeoutError:
@@ -256,7 +259,8 @@ class LabProcess:
                 await process.wait()
         await self.prepared.finish()
         self.prepared.cleanup()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self.socket.close()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)  # fd-based: never follows a link Lab left there
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -285,10 +289,11 @@ async def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except (launch.SandboxUnavailable, ProfileError, OSError) as e:
             raise LabError(f"cannot prepare JupyterLab's sandbox: {e}") from None
-        lab = LabProcess(prepared, runtime_dir, secrets.token_urlsafe(32))
+        owner = run_as.uid if run_as is not None else os.geteuid()
+        lab = LabProcess(prepared, runtime_dir, secrets.token_urlsafe(32), owner)
         await lab.start()
         await lab.ready()
-        forwarder = Forwarder(listener, lab.socket_path)
+        forwarder = Forwarder(listener, lab.socket)
         await forwarder.start()
         url = f"http://{HOST}:{port}/lab?token={lab.token}"
         print(f"JupyterLab for agent {agent!r}: files {root}, kernels the gateway's ({socket_path})", flush=True)
