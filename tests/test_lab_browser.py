@@ -57,7 +57,8 @@ def browser():
 
     with sync_playwright() as p:
         # --no-sandbox: chromium's own sandbox needs an unprivileged user; the tests may run as root.
-        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield chromium
         chromium.close()
 
@@ -171,7 +172,8 @@ def test_an_agents_edit_and_run_appear_in_the_open_page(gw, lab, page):
     open_notebook(page, lab, path)
     first_cell = page.locator(f"{PANEL} .jp-Notebook .jp-Cell").first
     expect(first_cell).to_contain_text("before the agent edits")
-    jlk(gw, "edit", "--path", path, "replace-source", "--index", "0", "--source", "edited = 'by the agent'\nprint(edited)")
+    jlk(gw, "edit", "--path", path, "replace-source", "--index", "0",
+        "--source", "edited = 'by the agent'\nprint(edited)")
     expect(first_cell).to_contain_text("edited = 'by the agent'")
     jlk(gw, "execute", "--path", path, "--index", "0")
     expect(first_cell.locator(".jp-OutputArea-output")).to_contain_text("by the agent")
@@ -228,7 +230,8 @@ def test_the_file_browser_shows_the_agents_tree_and_nothing_else(gw, lab, page):
 def test_the_debugger_stops_at_a_breakpoint_in_the_sandboxed_kernel(gw, lab, page):
     from playwright.sync_api import expect
 
-    path = agent_notebook(gw, "def double(n):\n    doubled = n * 2\n    return doubled\n\nresult = double(21)\nprint('result', result)")
+    path = agent_notebook(gw, "def double(n):\n    doubled = n * 2\n    return doubled\n\n"
+                              "result = double(21)\nprint('result', result)")
     open_notebook(page, lab, path)
     toggle = page.locator(f"{PANEL} .jp-DebuggerBugButton")
     expect(toggle).to_be_enabled()  # the kernelspec and the kernel both say they can debug

@@ -33,7 +33,6 @@ import signal
 import socket
 import sys
 import tempfile
-from typing import Any
 
 from ..errors import GatewayError
 from ..library import DOCUMENTS, SKILLS_DIR
@@ -164,6 +163,7 @@ def lab_argv(root: str, log_level: str) -> list[str]:
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         "--LabApp.extension_manager=readonly",
         f"--ServerApp.log_level={log_level}",
+        f"--Application.log_level={log_level}",  # the extensions' own apps (LabApp, FileIdExtension) too
     ]
 
 

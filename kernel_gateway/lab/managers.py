@@ -37,7 +37,8 @@ def notebook_path(path: str | None, name: Any) -> str | None:
     """
     if path and path.startswith(RTC_DRIVE):
         path = path[len(RTC_DRIVE):]
-    if path and isinstance(name, str) and name.endswith(".ipynb") and "/" not in name and posixpath.basename(path) != name:
+    named = isinstance(name, str) and name.endswith(".ipynb") and "/" not in name
+    if path and named and posixpath.basename(path) != name:
         path = posixpath.join(posixpath.dirname(path), name)
     return path
 

@@ -28,7 +28,9 @@ class AgentSocketResolver(Resolver):
         self.socket_path = socket_path
         self.fallback = DefaultLoopResolver()
 
-    async def resolve(self, host: str, port: int, family: socket.AddressFamily = socket.AF_UNSPEC) -> list[tuple[int, Any]]:
+    async def resolve(
+        self, host: str, port: int, family: socket.AddressFamily = socket.AF_UNSPEC
+    ) -> list[tuple[int, Any]]:
         if host.lower() == GATEWAY_HOST:
             # tornado's TCPClient makes socket.socket(family) and connects to the address: a path here.
             return [(socket.AF_UNIX, self.socket_path)]
