@@ -1,4 +1,4 @@
-"""The ``kernel-gateway`` command: serve, doctor, install-kernelspec."""
+"""The ``kernel-gateway`` command: serve, token, lab, doctor, install-kernelspec."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ commands:
                         0 = a free port; --no-jupyter turns it off)
   token AGENT           mint a Jupyter API token for AGENT; print the agent's base URL and the token
                         (--socket PATH or --state-dir DIR of the running gateway)
+  lab AGENT             run JupyterLab for AGENT in a sandbox: its files, its live kernels
+                        (--port PORT on 127.0.0.1, default 8888, 0 = a free port;
+                        --socket PATH or --state-dir DIR of the running gateway; the `lab` extra)
   doctor                check that sandboxed kernels can run on this machine
   install-kernelspec    install the sandboxed Python kernel for JupyterLab / jupyter_client
                         (--user, --prefix DIR, --name NAME)
@@ -156,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "token":
         return token(rest)
+    if command == "lab":
+        from .lab.command import main as lab_main
+
+        return lab_main(rest)
     if command == "doctor":
         from .doctor import main as doctor_main
 

@@ -213,6 +213,14 @@ class SandboxedKernelProvisioner(LocalProvisioner):
             self.runtime_dir = None
 
 
+def _has_debugpy(python: str | None) -> bool:
+    if python not in (None, sys.executable):
+        return False  # another environment: not ours to look into here
+    import importlib.util
+
+    return importlib.util.find_spec("debugpy") is not None
+
+
 def kernelspec_dict(python: str | None = None, config: dict | None = None) -> dict:
     """The kernel.json of a sandboxed Python kernel."""
     return {
@@ -222,6 +230,8 @@ def kernelspec_dict(python: str | None = None, config: dict | None = None) -> di
         "interrupt_mode": "message",
         "metadata": {
             "kernel_provisioner": {"provisioner_name": "bwrap-provisioner", "config": config or {}},
-            "debugger": False,
+            # JupyterLab enables its debugger panel for kernelspecs that say so; ipykernel
+            # debugs through debugpy (one of its own dependencies) inside the sandbox.
+            "debugger": _has_debugpy(python),
         },
     }

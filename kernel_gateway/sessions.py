@@ -50,6 +50,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     notice: str | None = None
     previous_kernel_id: str | None = None  # the kernel that died; the next one has a new id
+    restarting_kernel_id: str | None = None  # set while a restart replaces the kernel under this id
 
     @property
     def state(self) -> str:
@@ -414,12 +415,14 @@ class Sessions:
             kernel_id = ""
             if old is not None:
                 kernel_id = old.id
+                session.restarting_kernel_id = kernel_id  # a Jupyter client still lists it, as "restarting"
                 session.status = "dead"  # until the new kernel is up: never idle without a kernel
                 await self.pool.stop(old, now=True, why="restart")
             await self._start_kernel(session, check_caps=False, kernel_id=kernel_id)
             session.execution_count = 0
             session.notice = None
         finally:
+            session.restarting_kernel_id = None
             session.lock.release()
         return session.to_json()
 

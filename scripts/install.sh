@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install everything the gateway needs into ./.venv: bubblewrap (apt-get, when
-# root and missing), a virtualenv, the package with its data and test extras.
+# Install everything the gateway needs into ./.venv: bubblewrap and chromium (apt-get,
+# when root and missing), a virtualenv, the package with its data, test and lab extras
+# (the test extra has playwright, which drives chromium in the JupyterLab browser tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,12 +17,23 @@ if ! command -v bwrap >/dev/null 2>&1; then
     fi
 fi
 
+# The JupyterLab browser tests drive Debian's chromium: playwright cannot download a browser here.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing chromium with apt-get (for the JupyterLab browser tests) ..."
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "note: chromium is missing: tests/test_lab_browser.py will skip (apt-get install chromium)" >&2
+    fi
+fi
+
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e ".[data,test]"
+.venv/bin/python -m pip install -q -e ".[data,test,lab]"
 # Two small static programs of the spawn path, when a C compiler is there:
 # - kg-spawn-helper, one exec (rlimits, then the agent's uid) in front of bwrap;
 #   without it the gateway uses prlimit and setpriv (a little slower);

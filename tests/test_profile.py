@@ -357,7 +357,7 @@ def test_load_profile_from_a_file(tmp_path):
 @pytest.mark.parametrize(
     ("name", "words"),
     [
-        ("kernal", "no built-in profile 'kernal' (kernel, command, job)"),
+        ("kernal", "no built-in profile 'kernal' (kernel, command, job, lab)"),
         ("/nonexistent/profile.json", "cannot read /nonexistent/profile.json"),
     ],
 )

@@ -11,7 +11,9 @@ what the kernel sends is kept (bounded in messages and bytes); a websocket
 that reconnects with the same ``session_id`` gets it replayed, as
 jupyter_server's ``start_buffering`` / ``get_buffer`` do.  A bridge also
 watches its gateway session: after a restart it reconnects to the new kernel
-(telling the client ``restarting``), and after a shutdown it says ``dead``.
+(telling the client ``restarting`` only when the kernel id changed, as after a
+death: a restart that was asked for keeps the id and says nothing, as in
+Jupyter Server), and after a shutdown it says ``dead``.
 
 The bridge reports the kernel's iopub ``status`` messages and its traffic to
 the gateway session, so ``execution_state`` and ``last_activity`` are the
@@ -74,8 +76,8 @@ class Bridge:
 
     def _gateway(self) -> Any:
         session = self.registry.sessions.sessions.get((self.agent, self.gateway_session))
-        if session is None or session.state not in LIVE_STATES:
-            return None
+        if session is None or (session.state not in LIVE_STATES and not getattr(session, "restarting_kernel_id", None)):
+            return None  # (a restart in progress is not an end: the watcher follows it to the new kernel)
         return session
 
     def connect(self) -> None:
@@ -236,13 +238,16 @@ class Bridge:
             return False
         session = self._gateway()
         if session is None or session.kernel is None:
-            if session is not None and session.state == "starting":
-                return False
+            if session is not None and (session.state == "starting" or getattr(session, "restarting_kernel_id", None)):
+                return False  # a kernel on its way (a restart's new one included): follow it when it is up
             self._status("dead")
             self.close()
             return False
         if session.kernel is not self.kernel:
-            self._status("restarting")
+            # A restart asked for (same kernel id) says nothing, as in Jupyter Server: JupyterLab reads
+            # "restarting" as the kernel having died and restarted by itself, and says so in a dialog.
+            if getattr(session.kernel, "id", None) != getattr(self.kernel, "id", None):
+                self._status("restarting")
             try:
                 self.connect()
             except LookupError:

@@ -31,10 +31,15 @@ SESSION_TYPES = ("notebook", "console", "file")
 
 def kernel_id(session: Any) -> str:
     """The kernel id of a gateway session's kernel."""
-    known = getattr(session.kernel, "id", None) or getattr(session, "kernel_id", None)
+    known = (getattr(session.kernel, "id", None) or getattr(session, "restarting_kernel_id", None)
+             or getattr(session, "kernel_id", None))
     if known:
         return known
     return str(uuid.uuid5(KERNEL_ID_NAMESPACE, f"{session.agent}\0{session.id}"))
+
+
+def _restarting(session: Any) -> bool:
+    return session.kernel is None and bool(getattr(session, "restarting_kernel_id", None))
 
 
 def activity(session: Any) -> float:
@@ -70,9 +75,11 @@ class AgentKernels:
     # --- kernels ----------------------------------------------------------------
 
     def _live(self) -> list:
+        # A kernel being restarted stays listed (as Jupyter Server lists it): clients in gateway
+        # mode drop a kernel the gateway stops listing, and with it the restart they asked for.
         return [
             s for (a, _), s in list(self.sessions.sessions.items())
-            if a == self.agent and s.state in LIVE_STATES and s.kernel is not None
+            if a == self.agent and ((s.state in LIVE_STATES and s.kernel is not None) or _restarting(s))
         ]
 
     def session_of(self, kid: str) -> Any:
@@ -85,7 +92,7 @@ class AgentKernels:
 
     def model(self, session: Any) -> dict:
         kid = kernel_id(session)
-        state = session.state if session.kernel is not None else "dead"
+        state = session.state if session.kernel is not None else "restarting" if _restarting(session) else "dead"
         return {
             "id": kid,
             "name": session.kernel_name,

@@ -35,6 +35,8 @@ KNOWN_PLACEHOLDERS = frozenset(
         "python_bin",  # <python_prefix>/bin
         "agent_socket",  # host path of the agent's socket
         "job_dir",  # a background job's directory
+        "package_dir",  # this package's own directory (kernel-gateway lab imports its glue from it)
+        "lab_runtime_dir",  # kernel-gateway lab: the directory of the socket JupyterLab serves on
     }
 )
 
@@ -316,7 +318,7 @@ def load_profile(name_or_path: str, extra_placeholders: Sequence[str] = ()) -> d
             text = resources.files(__package__).joinpath(f"profiles/{name_or_path}.json").read_text()
         except FileNotFoundError:
             raise ProfileError(
-                "profile", f"no built-in profile {name_or_path!r} (kernel, command, job)"
+                "profile", f"no built-in profile {name_or_path!r} (kernel, command, job, lab)"
             ) from None
     try:
         document = json.loads(text)
