@@ -165,11 +165,32 @@ def test_a_variable_defined_in_the_browser_is_read_back_with_jlk(gw, lab, page):
     assert jlk(gw, "execute", "--path", path, "--cell-id", cell_id).stdout.strip() == "TYPED IN LAB"
 
 
+def wait_until_lab_has_saved(gw, path: str, quiet: float = 3.0) -> None:
+    """Wait until JupyterLab's own save after opening (kernel metadata) is on disk: the file
+    unchanged for ``quiet`` seconds, more than jupyter-collaboration's save delay plus its poll.
+
+    An out-of-band change that lands while that save is pending can be overwritten by it:
+    jupyter-collaboration reloads the file and saves the room's older content in the same
+    moment (README, Live refresh).  This test is about the agent's change showing live, so it
+    does not make its edit inside that window.
+    """
+    import time
+
+    file = Path(gw.root) / "alice" / path
+    last, since, deadline = file.stat().st_mtime_ns, time.monotonic(), time.monotonic() + 60
+    while time.monotonic() - since < quiet and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = file.stat().st_mtime_ns
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def test_an_agents_edit_and_run_appear_in_the_open_page(gw, lab, page):
     from playwright.sync_api import expect
 
     path = agent_notebook(gw, "original = 'before the agent edits'")
     open_notebook(page, lab, path)
+    wait_until_lab_has_saved(gw, path)
     first_cell = page.locator(f"{PANEL} .jp-Notebook .jp-Cell").first
     expect(first_cell).to_contain_text("before the agent edits")
     jlk(gw, "edit", "--path", path, "replace-source", "--index", "0",
