@@ -2,8 +2,8 @@
 
 Setting up a command's sandbox (namespaces, some thirty mounts, the seccomp
 filter, its cgroup, the drop to the agent's uid) is most of what a short
-command costs.  So after an agent's command, the gateway sets up the next one
-in the background: the same profile, values and uid, fully confined and
+command costs.  So while an agent's command runs, the gateway sets up its next
+ones in the background (two, see :class:`CommandSpares`): the same profile, values and uid, fully confined and
 released, with :file:`kg-exec-stub` (``sandbox/exec_stub.c``) as its payload,
 blocked reading a pipe that only the gateway holds.  The next command of that
 agent with the same sandbox (same profile, same working directory) writes
@@ -120,59 +120,81 @@ Prepare = Callable[[list[str], Mapping[str, Any]], launch.PreparedSandbox]
 
 
 class CommandSpares:
-    """At most one spare command sandbox per agent, and the one being set up."""
+    """Up to :attr:`per_agent` spare command sandboxes per agent, ready or being set up.
 
-    def __init__(self, enabled: bool = True, idle_seconds: float = 300.0, limit: int = 32):
-        self.enabled = enabled and find_stub() is not None and limit > 0
+    Two, not one: setting a sandbox up takes about as long as a short command's round trip,
+    so with one spare an agent that runs commands back to back would wait for the spare
+    still being set up; with two, each has the time of two commands to get ready.
+    """
+
+    def __init__(self, enabled: bool = True, idle_seconds: float = 300.0, limit: int = 32, per_agent: int = 2):
+        self.enabled = enabled and find_stub() is not None and limit > 0 and per_agent > 0
         self.limit = limit
+        self.per_agent = per_agent
         self.idle_seconds = idle_seconds
-        self._ready: dict[str, SpareCommand] = {}
-        self._filling: dict[str, tuple[str, asyncio.Task]] = {}
+        self._ready: dict[str, list[SpareCommand]] = {}
+        self._filling: dict[str, list[tuple[str, asyncio.Task]]] = {}
         self._closed = False
         self._tasks: set[asyncio.Task] = set()  # drops under way: kept referenced until done
 
+    def _pop_ready(self, agent: str, key: str) -> SpareCommand | None:
+        """A live ready spare of the agent for ``key``; the agent's spares for other keys are dropped."""
+        ready = self._ready.get(agent, [])
+        chosen = None
+        for spare in list(ready):
+            if spare.key != key or spare.process.returncode is not None:
+                ready.remove(spare)
+                self._background(spare.drop())
+            elif chosen is None:
+                chosen = spare
+                ready.remove(spare)
+        if not ready:
+            self._ready.pop(agent, None)
+        return chosen
+
     async def take(self, agent: str, key: str) -> SpareCommand | None:
-        """The agent's spare for ``key`` (waiting for one being set up), or None."""
+        """The agent's spare for ``key`` (waiting for one being set up if none is ready), or None."""
         if not self.enabled:
             return None
-        filling = self._filling.get(agent)
-        if filling is not None and filling[0] == key:
-            await asyncio.shield(filling[1])  # never raises: _fill logs its own failure
-        spare = self._ready.pop(agent, None)
+        spare = self._pop_ready(agent, key)
         if spare is None:
-            return None
-        if spare.key != key or spare.process.returncode is not None:
-            self._background(spare.drop())
-            return None
+            coming = [task for k, task in self._filling.get(agent, []) if k == key]
+            if coming:
+                await asyncio.shield(coming[0])  # never raises: _fill logs its own failure
+                spare = self._pop_ready(agent, key)
         return spare
 
     def refill(self, agent: str, key: str, prepare: Prepare) -> None:
-        """Set up the agent's next spare for ``key`` in the background, unless one is there or coming."""
-        if not self.enabled or self._closed or agent in self._filling:
+        """Set up spares of the agent for ``key`` in the background, up to :attr:`per_agent`."""
+        if not self.enabled or self._closed:
             return
-        spare = self._ready.get(agent)
-        if spare is not None and spare.key == key:
-            return
-        if spare is None and len(self._ready) + len(self._filling) >= self.limit:
-            return  # as many as the gateway keeps: this agent's next command sets its sandbox up
-        task = asyncio.get_running_loop().create_task(self._fill(agent, key, prepare))
-        self._filling[agent] = (key, task)
+        have = len([s for s in self._ready.get(agent, []) if s.key == key])
+        have += len([k for k, _ in self._filling.get(agent, []) if k == key])
+        while have < self.per_agent and self._total() < self.limit:
+            task = asyncio.get_running_loop().create_task(self._fill(agent, key, prepare))
+            self._filling.setdefault(agent, []).append((key, task))
+            have += 1
+        # Past the limit: this agent's next commands set their sandboxes up when asked for.
+
+    def _total(self) -> int:
+        return sum(map(len, self._ready.values())) + sum(map(len, self._filling.values()))
 
     async def _fill(self, agent: str, key: str, prepare: Prepare) -> None:
+        task = asyncio.current_task()
         try:
             spare = await self._spawn(key, prepare)
         except Exception as e:  # the next command starts a sandbox of its own, and says why if it fails
             log.warning("spare command sandbox of agent %s could not be set up: %s", agent, e)
             return
         finally:
-            self._filling.pop(agent, None)
-        old = self._ready.pop(agent, None)
-        if old is not None:
-            self._background(old.drop())
+            filling = self._filling.get(agent, [])
+            filling[:] = [entry for entry in filling if entry[1] is not task]
+            if not filling:
+                self._filling.pop(agent, None)
         if self._closed:
             await spare.drop()
             return
-        self._ready[agent] = spare
+        self._ready.setdefault(agent, []).append(spare)
         spare.expiry = asyncio.get_running_loop().call_later(self.idle_seconds, self._expire, agent, spare)
 
     async def _spawn(self, key: str, prepare: Prepare) -> SpareCommand:
@@ -194,34 +216,37 @@ class CommandSpares:
         return SpareCommand(key, prepared, process, write_fd)
 
     def _expire(self, agent: str, spare: SpareCommand) -> None:
-        if self._ready.get(agent) is spare:
-            del self._ready[agent]
+        ready = self._ready.get(agent, [])
+        if spare in ready:
+            ready.remove(spare)
+            if not ready:
+                self._ready.pop(agent, None)
             self._background(spare.drop())
 
     async def discard(self, agent: str) -> None:
-        """Drop the agent's spare, and the one being set up (its agent stopped)."""
-        filling = self._filling.pop(agent, None)
-        if filling is not None:
-            await asyncio.shield(filling[1])
-        spare = self._ready.pop(agent, None)
-        if spare is not None:
-            await spare.drop()
+        """Drop the agent's spares, and those being set up (its agent stopped)."""
+        for _key, task in list(self._filling.get(agent, [])):
+            await asyncio.shield(task)
+        spares = self._ready.pop(agent, [])
+        await asyncio.gather(*(spare.drop() for spare in spares), return_exceptions=True)
 
     async def close(self) -> None:
         """Drop every spare (the gateway stops)."""
         self._closed = True
-        for _key, task in list(self._filling.values()):
-            await asyncio.shield(task)
-        spares, self._ready = list(self._ready.values()), {}
+        for filling in list(self._filling.values()):
+            for _key, task in list(filling):
+                await asyncio.shield(task)
+        spares = [spare for ready in self._ready.values() for spare in ready]
+        self._ready = {}
         await asyncio.gather(*(spare.drop() for spare in spares), *self._tasks, return_exceptions=True)
 
     def count(self) -> int:
-        return len(self._ready)
+        return sum(map(len, self._ready.values()))
 
     def describe(self) -> str:
         """How commands start, for ``/v1/info`` and ``doctor``."""
         if self.enabled:
-            return "a spare sandbox per agent, set up while its last command ran (kg-exec-stub)"
+            return f"up to {self.per_agent} spare sandboxes per agent, set up while its commands run (kg-exec-stub)"
         if find_stub() is None:
             return "a sandbox set up per command (kg-exec-stub is not built: run scripts/install.sh)"
         if self.limit <= 0:

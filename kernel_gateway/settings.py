@@ -61,7 +61,7 @@ class Gateway(Configurable):
         help="Set up each agent's next command sandbox while its last command runs, so that one starts at once.",
     )  # fmt: skip
     max_spare_commands = Int(
-        32, config=True, help="Spare command sandboxes kept in all (one per agent at most; each holds 3 small processes)."
+        32, config=True, help="Spare command sandboxes kept in all (two per agent at most; each holds 3 small processes)."
     )
     busy_timeout = Float(
         10.0, config=True, help="Seconds restart and variables wait for a busy session before answering 409."

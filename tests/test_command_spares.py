@@ -49,6 +49,19 @@ def uid_processes(uid: int, root: str) -> list[int]:
     return found
 
 
+def stubs_of(uid: int) -> list[int]:
+    """The waiting stubs (one per spare) of a host uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _cmdline(int(entry)).startswith(b"/run/kg-exec-stub\0"):
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
 def host_uid(gw, agent: str) -> int:
     return os.stat(os.path.join(gw.root, agent)).st_uid
 
@@ -75,7 +88,7 @@ def test_a_command_after_the_first_runs_in_a_spare_set_up_before_it(gw):
     assert float(body["stdout"]) >= 0.2, body
     info = gw.client.call("GET", "/v1/info")[1]
     assert info["limits"]["spare_commands"] is True
-    assert "spare sandbox per agent" in info["sandbox"]["command_start"]
+    assert "spare sandboxes per agent" in info["sandbox"]["command_start"]
 
 
 def test_a_spare_command_holds_only_stdin_stdout_stderr_and_the_requests_env(gw):
@@ -275,13 +288,15 @@ def test_a_command_when_the_agents_processes_are_at_their_limit_is_a_clear_503(t
     try:
         assert gw.client.call("PUT", "/v1/agents/hal")[0] == 201
         warm(gw, "hal")
+        assert wait_until(lambda: len(stubs_of(host_uid(gw, "hal"))) == 2)  # both of its spares are up
         # The kernel forks until the uid's RLIMIT_NPROC says no; its children stay.
         bomb = ("import os, time\nn = 0\nwhile n < 200:\n    try:\n        pid = os.fork()\n    except OSError:\n"
                 "        break\n    if pid == 0:\n        time.sleep(600)\n        os._exit(0)\n    n += 1\nprint(n)")
         status, body = gw.client.execute("hal", "s1", bomb)
         assert status == 200 and 0 < int(body["text"]) < 40, body
-        # The spare was set up before: its command still runs.
-        assert run(gw, "hal", {"argv": ["echo", "in the spare"]})["stdout"] == "in the spare\n"
+        # The spares were set up before: their commands still run.
+        for _ in range(2):
+            assert run(gw, "hal", {"argv": ["echo", "in the spare"]})["stdout"] == "in the spare\n"
         # A sandbox set up now cannot start: a JSON error saying why, not the command's "exit 127".
         for _ in range(2):
             status, body = gw.client.call("POST", "/v1/agents/hal/commands", {"argv": ["echo", "hi"]})
@@ -311,3 +326,13 @@ def test_kill_minus_one_from_a_command_or_a_kernel_does_not_reach_the_waiting_sp
                                                  "print('alive')")
     assert status == 200 and body["text"] == "alive\n", body
     assert float(run(gw, "alice", {"argv": ["python3", "-c", AGE]})["stdout"]) >= 0.2, "the spare was killed"
+
+
+def test_two_commands_back_to_back_both_find_a_spare_ready(gw):
+    warm(gw, "bob")
+    assert wait_until(lambda: len(stubs_of(host_uid(gw, "bob"))) == 2)
+    time.sleep(0.3)  # both spares older than any sandbox set up for a request
+    ages = [float(run(gw, "bob", {"argv": ["python3", "-c", AGE]})["stdout"]) for _ in range(2)]
+    assert all(age >= 0.2 for age in ages), ages
+    # And the agent is back to two once they are used.
+    assert wait_until(lambda: len(stubs_of(host_uid(gw, "bob"))) == 2)
