@@ -330,7 +330,7 @@ async def run_command(
     """Run one command in a fresh sandbox; return its exit status and bounded output.
 
     With ``spares``, the sandbox may be one set up ahead for this agent (see
-    :mod:`kernel_gateway.command_spares`), and the next one is set up afterwards.
+    :mod:`kernel_gateway.command_spares`), and its next ones are set up while it runs.
     ``cgroup_prefix`` starts the name of the sandbox's cgroup (the gateway's own
     prefix, so that a later start sweeps what a killed gateway left).
 
