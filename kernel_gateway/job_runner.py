@@ -619,15 +619,18 @@ async def apply_patch(ctx: Context, job: Any, data: bytes) -> dict:
         cwd=job.source, stdin=data.decode("utf-8", "surrogateescape"),
     )
     output = (ran["stdout"] + ran["stderr"]).strip()
+    def listed(prefix: str) -> list[str]:  # the paths the apply script named on lines "PREFIX: path"
+        return [line[len(prefix) :] for line in ran["stdout"].splitlines() if line.startswith(prefix)]
+
     if ran["exit_code"] == 3:
-        changed = [line[len("conflict: "):] for line in ran["stdout"].splitlines() if line.startswith("conflict: ")]
+        changed = listed("conflict: ")
         raise GatewayError(
             409, "source_changed",
             f"{len(changed)} file(s) in {job.source!r} changed since the job copied them: {', '.join(changed)}; nothing was applied",
             "look at the patch (GET .../patch) and merge by hand, or run the job again on the current files",
         )
     if ran["exit_code"] == 7:
-        unwritable = [line[len("unwritable: "):] for line in ran["stdout"].splitlines() if line.startswith("unwritable: ")]
+        unwritable = listed("unwritable: ")
         raise GatewayError(
             409, "target_not_writable",
             f"{len(unwritable)} file(s) the patch writes in {job.source!r} cannot be written: {', '.join(unwritable)};"
@@ -635,7 +638,7 @@ async def apply_patch(ctx: Context, job: Any, data: bytes) -> dict:
             "make them (and their directories) writable again, then apply; read-only Library files cannot be patched",
         )
     if ran["exit_code"] == 8:
-        unreadable = [line[len("unreadable: "):] for line in ran["stdout"].splitlines() if line.startswith("unreadable: ")]
+        unreadable = listed("unreadable: ")
         raise GatewayError(
             409, "job_tree_changed",
             f"{len(unreadable)} binary file(s) in the job's tree/ are no longer regular, readable files: "
