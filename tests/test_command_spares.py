@@ -281,22 +281,37 @@ def test_a_working_directory_whose_name_is_not_utf8_runs_fresh_and_in_a_spare(gw
     assert float(body["stdout"]) >= 0.2, body
 
 
-def test_a_command_when_the_agents_processes_are_at_their_limit_is_a_clear_503(tmp_path):
+BOMB = ("import os, time\nn = 0\nwhile n < 200:\n    try:\n        pid = os.fork()\n    except OSError:\n"
+        "        break\n    if pid == 0:\n        time.sleep(600)\n        os._exit(0)\n    n += 1\nprint(n)")
+
+
+def test_spares_set_up_before_the_agent_hit_its_process_limit_still_run_commands(tmp_path):
     # A uid range of its own: other gateways on the machine hand out uids from 200000.
     gw = GatewayProcess(tmp_path, "--Gateway.agent_max_processes=40", "--Gateway.spare_kernels=False",
-                        "--Gateway.agent_uid_start=241000").start()
+                        "--Gateway.agent_uid_start=242000").start()
     try:
         assert gw.client.call("PUT", "/v1/agents/hal")[0] == 201
         warm(gw, "hal")
         assert wait_until(lambda: len(stubs_of(host_uid(gw, "hal"))) == 2)  # both of its spares are up
         # The kernel forks until the uid's RLIMIT_NPROC says no; its children stay.
-        bomb = ("import os, time\nn = 0\nwhile n < 200:\n    try:\n        pid = os.fork()\n    except OSError:\n"
-                "        break\n    if pid == 0:\n        time.sleep(600)\n        os._exit(0)\n    n += 1\nprint(n)")
-        status, body = gw.client.execute("hal", "s1", bomb)
+        status, body = gw.client.execute("hal", "s1", BOMB)
         assert status == 200 and 0 < int(body["text"]) < 40, body
-        # The spares were set up before: their commands still run.
-        for _ in range(2):
-            assert run(gw, "hal", {"argv": ["echo", "in the spare"]})["stdout"] == "in the spare\n"
+        # The spares were set up before: their commands still run (and each one's end frees
+        # the processes a new spare needs, so commands keep running at the limit).
+        for _ in range(3):
+            assert run(gw, "hal", {"argv": ["echo", "in a spare"]})["stdout"] == "in a spare\n"
+    finally:
+        gw.stop()
+
+
+def test_a_command_when_the_agents_processes_are_at_their_limit_is_a_clear_503(tmp_path):
+    # No spares: every command's sandbox is set up when it is asked for, at the limit.
+    gw = GatewayProcess(tmp_path, "--Gateway.agent_max_processes=40", "--Gateway.spare_kernels=False",
+                        "--Gateway.spare_commands=False", "--Gateway.agent_uid_start=241000").start()
+    try:
+        assert gw.client.call("PUT", "/v1/agents/hal")[0] == 201
+        status, body = gw.client.execute("hal", "s1", BOMB)
+        assert status == 200 and 0 < int(body["text"]) < 40, body
         # A sandbox set up now cannot start: a JSON error saying why, not the command's "exit 127".
         for _ in range(2):
             status, body = gw.client.call("POST", "/v1/agents/hal/commands", {"argv": ["echo", "hi"]})
