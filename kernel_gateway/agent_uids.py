@@ -13,6 +13,7 @@ can turn the gateway's chown onto a file elsewhere.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import stat
@@ -20,6 +21,7 @@ import threading
 
 from .errors import GatewayError
 from .sandbox.launch import RunAs
+from . import state_files
 
 FILE_NAME = "agent-uids.json"
 
@@ -96,13 +98,7 @@ class AgentUids:
         return RunAs(uid, uid, self.max_processes)
 
     def _save(self) -> None:
-        tmp = self.path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"agents": self._uids}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        state_files.write_json(self.path, {"agents": self._uids}, mode=0o600, indent=1, sort_keys=True)
 
     def own_tree(self, agent: str, top: str) -> None:
         """Make the agent's tree its own: the root 0700, and what the gateway made in it."""
@@ -142,12 +138,24 @@ def own_tree(top: str, uid: int, gid: int, keep: tuple[str, ...] = ()) -> None:
         os.close(fd)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_EMPTY_PATH = 0x1000
+
+
 def _own_entry(name: str, dir_fd: int, uid: int, gid: int) -> None:
+    # The checked inode is the one that changes hands: an O_PATH fd of the entry itself (a
+    # symlink is not followed), fstat'd, then chowned through that fd (fchownat with
+    # AT_EMPTY_PATH), so a running sandbox that swaps the name meanwhile changes nothing.
     try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         return
-    if st.st_uid != 0 or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
-        return
-    # Never through a symlink: the link itself changes hands, not its target.
-    os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != 0 or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
+            return
+        if _libc.fchownat(fd, b"", uid, gid, _AT_EMPTY_PATH) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), name)
+    finally:
+        os.close(fd)

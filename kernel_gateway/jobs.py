@@ -31,6 +31,7 @@ from . import codex_runner, job_runner
 from .errors import GatewayError, bad_request, conflict, not_found
 from .sandbox.profile import ProfileError, _parse_count, load_profile, parse_duration, parse_size
 from .tools import workspace_paths
+from . import state_files
 
 log = logging.getLogger("kernel_gateway.jobs")
 
@@ -126,12 +127,7 @@ class JobStore:
         folder = os.path.join(self.dir, job.agent)
         os.makedirs(folder, mode=0o700, exist_ok=True)
         path = os.path.join(folder, f"{job.id}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(asdict(job), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        state_files.write_json(path, asdict(job))
 
     def remove(self, job: Job) -> None:
         try:

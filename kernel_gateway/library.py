@@ -42,6 +42,7 @@ from typing import Any
 from . import workspace
 from .errors import GatewayError, bad_request, conflict, not_found
 from .tools import workspace_paths as wp
+from . import state_files
 
 KERNEL_SKILL = "jupyter-live-kernel"
 SKILLS_DIR = "installed-skills"
@@ -369,12 +370,7 @@ class Library:
     def _save_settings(self, agent: str, overrides: dict[str, bool]) -> None:
         path = self._settings_path(agent)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"enabled": overrides}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        state_files.write_json(path, {"enabled": overrides})
         self._settings[agent] = overrides
 
     def is_enabled(self, agent: str, name: str, default: bool = True) -> bool:

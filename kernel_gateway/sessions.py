@@ -29,6 +29,7 @@ from .kernel_pool import KernelPool
 from .kernels import KERNEL_NAME, Kernel
 from .library import Library
 from .settings import Gateway
+from . import state_files
 
 log = logging.getLogger("kernel_gateway.sessions")
 
@@ -141,12 +142,7 @@ class Sessions:
             "agents": sorted(self.agents.agents),
             "sessions": [s.saved() for s in self.sessions.values() if s.status != "stopped"],
         }
-        tmp = self._registry_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._registry_path)
+        state_files.write_json(self._registry_path, data)
 
     # --- agents (their sessions) ------------------------------------------------
 

@@ -18,6 +18,7 @@ import threading
 import time
 
 from ..errors import not_found
+from .. import state_files
 
 TOKEN_ID_CHARS = 12
 
@@ -45,13 +46,7 @@ class TokenStore:
         return [t for t in saved.get("tokens", []) if isinstance(t, dict) and {"id", "agent", "sha256"} <= set(t)]
 
     def _save(self) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"tokens": self._tokens}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        state_files.write_json(self.path, {"tokens": self._tokens}, mode=0o600)
 
     def mint(self, agent: str) -> dict:
         """A new token for ``agent``: ``{"id", "token", "created"}``; the secret is not kept."""
