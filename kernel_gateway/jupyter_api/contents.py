@@ -165,9 +165,7 @@ class Contents:
         try:
             self._guard(dir_fd, name, path)
             os.mkdir(name, 0o755, dir_fd=dir_fd)
-            if os.geteuid() == 0:
-                owner = os.fstat(dir_fd)
-                os.chown(name, owner.st_uid, owner.st_gid, dir_fd=dir_fd, follow_symlinks=False)
+            wp.give_to_dir_owner(dir_fd, name)
         except FileExistsError:
             raise conflict(f"{path} already exists", code="exists") from None
         finally:

@@ -505,6 +505,11 @@ def _give_to_owner(dir_fd: int, name: str, owner: tuple[int, int]) -> None:
         os.chown(name, *owner, dir_fd=dir_fd, follow_symlinks=False)
 
 
+def give_to_dir_owner(dir_fd: int, name: str) -> None:
+    """``name`` in ``dir_fd`` (just made by the gateway) becomes the directory owner's, not root's."""
+    _give_to_owner(dir_fd, name, _owner(dir_fd))
+
+
 def _give_fd_to_owner(fd: int, owner: tuple[int, int]) -> None:
     if _should_chown(owner):
         os.fchown(fd, *owner)
