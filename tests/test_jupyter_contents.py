@@ -84,6 +84,10 @@ def test_directories_text_binary_and_notebooks(gw, alice):
 
     status, model = alice.call("PUT", "api/contents/user-files/sub", {"type": "directory"})
     assert status == 201 and os.path.isdir(os.path.join(tree(gw), "user-files/sub"))
+    # Made by the root gateway, owned by the agent (its own uid), as the file it wrote beside it.
+    owner = os.stat(tree(gw)).st_uid
+    assert os.stat(os.path.join(tree(gw), "user-files/sub")).st_uid == owner
+    assert os.stat(os.path.join(tree(gw), "user-files/a.txt")).st_uid == owner
     names = {m["name"] for m in alice.call("GET", "api/contents/user-files")[1]["content"]}
     assert names >= {"a.txt", "b.bin", "n.ipynb", "sub"}
     # No temporary file is left behind by the atomic writes.
