@@ -14,6 +14,12 @@ from kernel_gateway.client import UnixHTTPConnection
 
 BIN = os.path.dirname(sys.executable)
 
+# Agent uids of this test process's gateways: a block of its own, so that test runs side by
+# side on one machine never share a host uid (RLIMIT_NPROC counts every process of a uid).
+# A test that names its own --Gateway.agent_uid_start keeps it.
+TEST_UID_BLOCK = 4096
+TEST_UID_START = 400000 + (os.getpid() % 2000) * TEST_UID_BLOCK
+
 
 class Client:
     """Minimal JSON client: ``status, body = client.call("POST", "/v1/...", {...})``."""
@@ -58,6 +64,8 @@ class GatewayProcess:
         self.state = str(tmp_path / "state")
         self.socket = os.path.join(self.state, "control.sock")
         self.args = list(args)
+        if not any(a.startswith("--Gateway.agent_uid_start") for a in args):
+            self.args += [f"--Gateway.agent_uid_start={TEST_UID_START}", f"--Gateway.agent_uid_count={TEST_UID_BLOCK}"]
         self.proc: subprocess.Popen | None = None
         self.log = str(tmp_path / "gateway.log")
 
@@ -129,6 +137,8 @@ class InProcessGateway:
         self.root = str(tmp_path / "agents")
         self.state = str(tmp_path / "state")
         self.socket = os.path.join(self.state, "control.sock")
+        settings.setdefault("agent_uid_start", TEST_UID_START)
+        settings.setdefault("agent_uid_count", TEST_UID_BLOCK)
         self.server = GatewayServer(Gateway(root=self.root, state_dir=self.state, **settings))
         self.loop = _asyncio.new_event_loop()
         self._thread = _threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
