@@ -31,7 +31,8 @@ from .notebook_runs import NOTEBOOK_SESSION, notebook_session_id
 from .notebooks import NotebookStore
 from .sessions import Sessions
 from .settings import Gateway
-from .tools import apply_patch, workspace_paths
+from . import fs
+from .tools import apply_patch
 from .tools.command import run_command
 
 
@@ -90,15 +91,15 @@ class Core:
         root = self.agents.agent_root(agent)
         if session.startswith(NOTEBOOK_SESSION) and session.endswith(".ipynb"):
             try:
-                folder = workspace_paths.resolve_in_root(root, session[len(NOTEBOOK_SESSION) :]).parent
-            except workspace_paths.PathOutsideRoot:
+                folder = fs.resolve_in_root(root, session[len(NOTEBOOK_SESSION) :]).parent
+            except fs.PathOutsideRoot:
                 folder = None  # not a notebook of this agent: the session's own directory, below
             if folder is not None and folder.is_dir():
                 return str(folder)
         directory = os.path.join(root, "sessions", workspace.session_dirname(session))
         try:
-            workspace_paths.mkdirs_in_root(root, directory)
-        except workspace_paths.PathOutsideRoot as e:
+            fs.mkdirs_in_root(root, directory)
+        except fs.PathOutsideRoot as e:
             raise GatewayError(403, "outside_workspace", str(e)) from None
         return directory
 
@@ -163,7 +164,7 @@ class Core:
             return session
         session = notebook_session_id(path)
         root = self.agents.agent_root(agent)
-        folder = (await asyncio.to_thread(workspace_paths.resolve_in_root, root, path)).parent
+        folder = (await asyncio.to_thread(fs.resolve_in_root, root, path)).parent
         await self.sessions.get_or_create(agent, session, cwd=str(folder))
         return session
 
@@ -188,9 +189,9 @@ class Core:
 def _patch_cwd_and_targets(root: str, patch: str, cwd: str) -> tuple[str, list[str]]:
     """The patch's working directory, opened beneath the root, and the paths it would write."""
     try:
-        resolved = workspace_paths.resolve_in_root(root, cwd)
-        os.close(workspace_paths.open_in_root(root, resolved, os.O_PATH | os.O_DIRECTORY))
-    except workspace_paths.PathOutsideRoot as e:
+        resolved = fs.resolve_in_root(root, cwd)
+        os.close(fs.open_in_root(root, resolved, os.O_PATH | os.O_DIRECTORY))
+    except fs.PathOutsideRoot as e:
         raise GatewayError(403, "outside_workspace", str(e)) from None
     except OSError:
         raise bad_request(f"cwd {cwd!r} is not a directory in the agent's tree", code="invalid_cwd") from None
@@ -207,7 +208,7 @@ def _patch_targets(root: str, patch: str, cwd: str) -> list[str]:
     for hunk in hunks:
         for raw in filter(None, (hunk.path, hunk.move_to)):
             try:
-                targets.append(str(workspace_paths.resolve_in_root(root, raw, cwd)))
-            except workspace_paths.PathOutsideRoot:
+                targets.append(str(fs.resolve_in_root(root, raw, cwd)))
+            except fs.PathOutsideRoot:
                 pass  # apply_patch refuses it, with its own message
     return targets

@@ -12,7 +12,7 @@ write raw messages to its iopub socket.  So the gateway bounds what it keeps
 of a cell in all (``cell_limit`` bytes over every output kind together;
 past it outputs are dropped as they arrive and one marker says so), ignores
 messages of the wrong shape, and reads an artifact a message names only
-through the confined lookup of :mod:`kernel_gateway.tools.workspace_paths`:
+through the confined lookup of :mod:`kernel_gateway.fs`:
 a regular file inside the session's directory, beneath the agent root, no
 larger than what is left of the cell's budget, read in a worker thread.
 """
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from .tools import workspace_paths
+from . import fs
 
 ARTIFACT_MIME = "application/vnd.kernel-gateway.artifact+json"
 TRUNCATION_MIME = "application/vnd.kernel-gateway.truncation+json"
@@ -397,12 +397,12 @@ def inline_artifact(
     raw = b""
     if reason is None:
         try:
-            raw = workspace_paths.read_regular_in_root(agent_root, path, max_bytes)
-        except workspace_paths.FileTooLarge as e:
+            raw = fs.read_regular_in_root(agent_root, path, max_bytes)
+        except fs.FileTooLarge as e:
             reason = f"{e.size} bytes, more than the {e.cap} bytes left of this cell's output budget"
-        except workspace_paths.NotRegularFile:
+        except fs.NotRegularFile:
             reason = "not a regular file"
-        except (workspace_paths.PathOutsideRoot, workspace_paths.InvalidPath):
+        except (fs.PathOutsideRoot, fs.InvalidPath):
             reason = "not a file in this session's directory (symlinks are not followed)"
         except OSError as e:
             reason = e.strerror or str(e)

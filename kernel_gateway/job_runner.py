@@ -43,7 +43,7 @@ from typing import Any, Callable
 from .errors import GatewayError, conflict
 from .sandbox import launch, reach
 from .sandbox.profile import parse_duration
-from .tools import workspace_paths
+from . import fs
 from .tools.command import run_command
 
 STEP_WALL = 600.0  # seconds for the copy, diff and apply steps (within their profiles' own walls)
@@ -295,7 +295,7 @@ def _tail(fd: int, keep: int) -> str:
 def _open_log(ctx: Context, job: Any, name: str) -> int:
     path = os.path.join(job.workspace, name)
     # O_EXCL + openat2 beneath the root: whatever the agent put there, this is a new file of ours.
-    return workspace_paths.open_in_root(
+    return fs.open_in_root(
         ctx.agent_root, path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o644
     )
 
@@ -307,7 +307,7 @@ def _pin(ctx: Context, rel: str) -> int:
     agent swapped in (``jobs/<id>`` -> another agent's files); binding the fd
     binds the very directory we checked.
     """
-    fd = workspace_paths.open_in_root(ctx.agent_root, rel, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fd = fs.open_in_root(ctx.agent_root, rel, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     if not stat.S_ISDIR(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.ENOTDIR, "not a directory", rel)
@@ -432,7 +432,7 @@ def read_tails(ctx: Context, job: Any) -> tuple[str, str]:
     for name in ("stdout", "stderr"):
         try:
             fd = _open_regular(ctx, os.path.join(job.workspace, f"{name}.log"))
-        except (OSError, workspace_paths.PathOutsideRoot):
+        except (OSError, fs.PathOutsideRoot):
             tails.append("")
             continue
         try:
@@ -446,7 +446,7 @@ def read_tails(ctx: Context, job: Any) -> tuple[str, str]:
 
 
 def _open_regular(ctx: Context, rel: str) -> int:
-    fd = workspace_paths.open_in_root(ctx.agent_root, rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    fd = fs.open_in_root(ctx.agent_root, rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", rel)
@@ -522,7 +522,7 @@ def summarize_patch(fd: int) -> dict:
 def _read_small(ctx: Context, rel: str, limit: int = 65536) -> str:
     try:
         fd = _open_regular(ctx, rel)
-    except (OSError, workspace_paths.PathOutsideRoot):
+    except (OSError, fs.PathOutsideRoot):
         return ""
     try:
         return os.read(fd, limit).decode("utf-8", "replace")
@@ -539,7 +539,7 @@ async def make_patch(ctx: Context, job: Any, partial: bool) -> dict:
     warnings = _read_small(ctx, os.path.join(job.workspace, "temp", "diff-errors.txt"))[-2048:]
     try:
         fd = _open_regular(ctx, os.path.join(job.workspace, "change.patch"))
-    except (OSError, workspace_paths.PathOutsideRoot) as e:
+    except (OSError, fs.PathOutsideRoot) as e:
         return {"bytes": None, "sha256": None, "files": [], "binary_files": [], "not_carried": special,
                 "partial": partial, "error": f"no change.patch: {getattr(e, 'strerror', None) or e}",
                 "warnings": warnings}
@@ -587,7 +587,7 @@ def read_patch(ctx: Context, job: Any, limit: int) -> bytes:
     """The recorded patch, re-read confined and checked against its recorded SHA-256."""
     try:
         fd = _open_regular(ctx, os.path.join(job.workspace, "change.patch"))
-    except (OSError, workspace_paths.PathOutsideRoot):
+    except (OSError, fs.PathOutsideRoot):
         raise conflict(f"the patch of job {job.id} is gone from its workspace", code="patch_changed") from None
     try:
         if os.fstat(fd).st_size > limit:

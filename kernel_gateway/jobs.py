@@ -30,7 +30,7 @@ from typing import Any
 from . import codex_runner, job_runner
 from .errors import GatewayError, bad_request, conflict, not_found
 from .sandbox.profile import ProfileError, _parse_count, load_profile, parse_duration, parse_size
-from .tools import workspace_paths
+from . import fs
 from . import state_files
 
 log = logging.getLogger("kernel_gateway.jobs")
@@ -233,8 +233,8 @@ def _source(agent_root: str, source: Any) -> str:
     if not isinstance(source, str) or not source or "\0" in source:
         raise bad_request(f"'from' must be a path in the agent's tree, got {source!r}", code="invalid_from")
     try:
-        resolved = workspace_paths.resolve_in_root(agent_root, source)
-    except workspace_paths.PathOutsideRoot:
+        resolved = fs.resolve_in_root(agent_root, source)
+    except fs.PathOutsideRoot:
         raise GatewayError(
             403, "outside_workspace", f"'from' {source!r} is outside the agent's tree",
             "name a directory inside it, e.g. user-files/repo",
@@ -470,7 +470,7 @@ class JobManager:
             job.skipped, job.patch = outcome.skipped, outcome.patch
         except GatewayError as e:
             job.state, job.error = "failed", e.message
-        except (OSError, workspace_paths.PathOutsideRoot) as e:
+        except (OSError, fs.PathOutsideRoot) as e:
             # The agent owns jobs/<id>: a part swapped for a symlink or removed is refused, not followed.
             job.state, job.error = "failed", f"the job's workspace changed under it and was refused: {e}"
         except Exception as e:  # a bug must not leave the job running forever

@@ -11,7 +11,7 @@ socket; the agent reads them and cannot change them:
   so it cannot drift from what the package ships.  A mount point cannot be
   renamed or removed, so the agent cannot swap any of them for its own.
 - the host copy in the tree is written only here, through the confined
-  helpers of :mod:`tools.workspace_paths`, and the builtin one is rewritten at
+  helpers of :mod:`kernel_gateway.fs`, and the builtin one is rewritten at
   gateway start and agent creation whenever its digest differs from the
   package's.
 - a document is rewritten in place, never renamed over: replacing the file
@@ -41,7 +41,7 @@ from typing import Any
 
 from . import workspace
 from .errors import GatewayError, bad_request, conflict, not_found
-from .tools import workspace_paths as wp
+from . import fs as wp
 from . import state_files
 
 KERNEL_SKILL = "jupyter-live-kernel"

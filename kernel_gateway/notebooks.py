@@ -40,7 +40,7 @@ import nbformat
 from nbformat.v4.rwbase import rejoin_lines
 
 from kernel_gateway.errors import GatewayError, bad_request, conflict, not_found
-from kernel_gateway.tools.workspace_paths import (
+from kernel_gateway.fs import (
     FileTooLarge,
     PathOutsideRoot,
     agent_owner,

@@ -4,7 +4,7 @@ One way to write them (registry, agent uids, tokens, job records, Library
 settings): a temporary file beside the target, never following a symlink,
 fsynced, then renamed over it, so a crash leaves the old file or the new one.
 These are the operator's paths, never an agent's; an agent's tree is written
-only through ``tools/workspace_paths.py``.
+only through ``tools/fs.py``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import os
 import re
 
 from .errors import GatewayError, bad_request
-from .tools.workspace_paths import PathOutsideRoot, make_dirs_nofollow, open_in_root
+from .fs import PathOutsideRoot, make_dirs_nofollow, open_in_root
 
 AGENT_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 DOCUMENTS = ("SOUL.md", "MISSION.md", "DESIGN.md")

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from kernel_gateway.tools import workspace_paths as wp
+from kernel_gateway import fs as wp
 
 AGENT_UID = 200_123
 

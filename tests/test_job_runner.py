@@ -18,7 +18,7 @@ from kernel_gateway.jobs import Job
 from kernel_gateway.sandbox.profile import load_profile
 from kernel_gateway.core import Core
 from kernel_gateway.settings import Gateway
-from kernel_gateway.tools.workspace_paths import PathOutsideRoot
+from kernel_gateway.fs import PathOutsideRoot
 
 
 @pytest.fixture

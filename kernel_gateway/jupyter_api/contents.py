@@ -4,7 +4,7 @@ Models, status codes and names follow jupyter_server's ``FileContentsManager``
 (notebooks as nbformat v4 JSON, text files, base64 binary, directories;
 checkpoints in ``.ipynb_checkpoints/``; ``Untitled``, ``-Copy1``).  Every
 touch of the tree goes through the confined helpers of
-``tools/workspace_paths``: lookups with openat2 ``RESOLVE_BENEATH`` from the
+``kernel_gateway.fs``: lookups with openat2 ``RESOLVE_BENEATH`` from the
 agent root, then ``*at`` calls relative to the directory descriptor found, so
 a symlink out of the tree, ``..``, an absolute path or another agent's tree is
 refused and nothing outside is ever read or written.  Reads are of regular
@@ -25,7 +25,7 @@ from typing import Callable
 import nbformat
 
 from ..errors import GatewayError, bad_request, conflict, not_found
-from ..tools import workspace_paths as wp
+from .. import fs as wp
 
 READ_CAP = 64 << 20  # bytes of one file served by GET
 CHECKPOINT_DIR = ".ipynb_checkpoints"

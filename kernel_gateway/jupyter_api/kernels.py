@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ..errors import GatewayError, bad_request, not_found
 from ..kernels import KERNEL_NAME
 from ..sessions import LIVE_STATES
-from ..tools import workspace_paths
+from .. import fs
 
 KERNEL_ID_NAMESPACE = uuid.UUID("6f1b2c52-7a0e-4a57-9d0c-1d3f6e2b9a10")
 SESSION_TYPES = ("notebook", "console", "file")
@@ -127,8 +127,8 @@ class AgentKernels:
             return None
         root = self.agent_root(self.agent)
         try:
-            where = workspace_paths.resolve_in_root(root, path.lstrip("/"))
-        except workspace_paths.PathOutsideRoot:
+            where = fs.resolve_in_root(root, path.lstrip("/"))
+        except fs.PathOutsideRoot:
             raise bad_request(f"path {path!r} is outside the agent's tree", code="path_outside_root") from None
         return str(where if where.is_dir() else where.parent)
 

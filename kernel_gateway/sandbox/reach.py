@@ -40,28 +40,23 @@ import os
 import stat
 import threading
 
+from ..fs.paths import AT_FDCWD, RESOLVE_NO_SYMLINKS, openat2
+
 ALIAS_DIR = "/tmp/kg-reach"
 _MS_BIND, _MS_REC = 0x1000, 0x4000
 _MNT_DETACH = 2
-_SYS_OPENAT2 = 437  # the unified syscall table (x86_64, aarch64, ...)
-_RESOLVE_NO_SYMLINKS = 0x04
-_AT_FDCWD = -100
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
 def _open_no_symlinks(path: str) -> int:
     """An O_PATH fd of ``path``, refused if any component is a symlink."""
-    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS)
-    fd = _libc.syscall(_SYS_OPENAT2, _AT_FDCWD, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise Unreachable(err, f"cannot open {path} without following symlinks: {os.strerror(err)}")
-    return fd
+    try:
+        return openat2(AT_FDCWD, path, os.O_PATH, resolve=RESOLVE_NO_SYMLINKS)
+    except OSError as err:
+        raise Unreachable(err.errno, f"cannot open {path} without following symlinks: {err.strerror}") from None
+
+
 _lock = threading.Lock()
 _aliases: dict[str, str] = {}  # real path -> its mount point, in this process
 _answers: dict[tuple[str, int, int], str] = {}

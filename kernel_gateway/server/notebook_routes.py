@@ -8,7 +8,7 @@ from typing import Any
 from .. import notebook_runs, variables
 from ..errors import bad_request
 from ..notebooks import NotebookStore
-from ..tools import workspace_paths
+from .. import fs
 from .base import BaseHandler, StreamingHandler, parse_json
 
 
@@ -21,8 +21,8 @@ class NotebookBase(BaseHandler):
             # Notebook writes never land in the agent's library (installed-skills/).
             agent = self.agent_arg(self.path_args[0])
             try:
-                target = workspace_paths.resolve_in_root(self.core.agents.agent_root(agent), self.path_args[1])
-            except (workspace_paths.PathOutsideRoot, OSError):
+                target = fs.resolve_in_root(self.core.agents.agent_root(agent), self.path_args[1])
+            except (fs.PathOutsideRoot, OSError):
                 return  # the store refuses it with its own message
             self.core.refuse_protected(agent, [str(target)])
 

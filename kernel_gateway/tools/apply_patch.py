@@ -15,7 +15,7 @@ Error messages name files by their absolute, lexically normalised path
 disk, like the reference); the summary names them as written in the patch.
 
 With ``root`` set, every path the patch touches is checked first (see
-``workspace_paths``) and the patch is refused, unchanged, if any would leave
+``kernel_gateway.fs``) and the patch is refused, unchanged, if any would leave
 ``root``; the files are then read and written through fds opened beneath
 ``root``.  That refusal text is ours: the reference has no confinement.
 
@@ -33,7 +33,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from kernel_gateway.tools import workspace_paths
+from kernel_gateway import fs
 
 # Rust's char::is_whitespace (Unicode White_Space); Python's str.strip() would
 # also strip U+001C..U+001F, which Rust keeps.
@@ -401,17 +401,17 @@ class _ConfinedFiles(_Files):
 
     def open(self, path: str, flags: int) -> int:
         if self.refuse is not None and flags & (os.O_WRONLY | os.O_RDWR):
-            return workspace_paths.open_in_root_unless(self.root, path, flags, self.refuse, 0o666)
-        return workspace_paths.open_in_root(self.root, path, flags, 0o666)
+            return fs.open_in_root_unless(self.root, path, flags, self.refuse, 0o666)
+        return fs.open_in_root(self.root, path, flags, 0o666)
 
     def makedirs(self, path: str) -> None:
-        workspace_paths.mkdirs_in_root(self.root, path)
+        fs.mkdirs_in_root(self.root, path)
 
     def unlink(self, path: str) -> None:
         if self.refuse is not None:
-            workspace_paths.unlink_in_root_unless(self.root, path, self.refuse)
+            fs.unlink_in_root_unless(self.root, path, self.refuse)
         else:
-            workspace_paths.unlink_in_root(self.root, path)
+            fs.unlink_in_root(self.root, path)
 
 
 MAX_UPDATE_BYTES = 256 << 20
@@ -483,9 +483,9 @@ def _check_confined(hunks: list[Hunk], cwd: str, root: str) -> None:
     for hunk in hunks:
         for raw in filter(None, (hunk.path, hunk.move_to)):
             try:
-                workspace_paths.resolve_in_root(root, _normalise(cwd, raw))
-            except workspace_paths.PathOutsideRoot as err:  # name it as the patch does
-                raise workspace_paths.PathOutsideRoot(raw, root) from err
+                fs.resolve_in_root(root, _normalise(cwd, raw))
+            except fs.PathOutsideRoot as err:  # name it as the patch does
+                raise fs.PathOutsideRoot(raw, root) from err
 
 
 def apply_patch(
@@ -511,7 +511,7 @@ def apply_patch(
     except PatchError as err:
         result.output = f"{err}\n"
         return result
-    except workspace_paths.PathOutsideRoot as err:
+    except fs.PathOutsideRoot as err:
         result.output = f"Refused: {err}\n"
         return result
     lines = [f"A {p}" for p in result.added] + [f"M {p}" for p in result.modified]

@@ -29,7 +29,7 @@ from .. import command_spares
 from ..errors import GatewayError, bad_request
 from ..workspace import check_session_id
 from ..sandbox import launch
-from .workspace_paths import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
+from ..fs import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
 
 REQUEST_KEYS = ("command", "argv", "cwd", "session", "timeout", "env", "stdin", "stream")
 READ_CHUNK = 1 << 16

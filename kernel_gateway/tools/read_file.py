@@ -23,7 +23,7 @@ import os
 import stat
 
 from ..errors import GatewayError, bad_request, not_found
-from .workspace_paths import PathOutsideRoot, open_in_root, read_at_most
+from ..fs import PathOutsideRoot, open_in_root, read_at_most
 
 MAX_TEXT_BYTES = 10 << 20
 MAX_IMAGE_BYTES = 10 << 20

@@ -42,8 +42,10 @@ _OPENAT2 = 437 if platform.machine() in {
     "x86_64", "amd64", "aarch64", "arm64", "armv7l", "armv8l", "riscv64",
     "ppc64le", "ppc64", "s390x", "i386", "i686",
 } else None
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_BENEATH = 0x08
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+AT_FDCWD = -100
 _MAX_SYMLINKS = 40  # the kernel's limit, after which it answers ELOOP
 NAME_MAX = 255  # bytes in one path component
 PATH_MAX = 4096  # bytes in a whole path
@@ -235,10 +237,17 @@ def resolve_in_root(root, path, cwd=None) -> pathlib.Path:
     return pathlib.Path(os.path.realpath(root), *resolved)
 
 
-def _openat2(root_fd: int, rel: str, flags: int, mode: int) -> int:
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0,
-                   _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(_OPENAT2, root_fd, os.fsencode(rel or "."), ctypes.byref(how), ctypes.sizeof(how))
+def openat2(dir_fd: int, rel: str, flags: int, mode: int = 0,
+            resolve: int = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS) -> int:
+    """Linux ``openat2(2)``: ``rel`` opened from ``dir_fd`` under the ``resolve`` rules.
+
+    The package's only binding of the syscall.  Raises OSError (ENOSYS where
+    the architecture's number is unknown or the kernel predates it).
+    """
+    if _OPENAT2 is None:
+        raise OSError(errno.ENOSYS, "openat2 is not available here", rel)
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, resolve)
+    fd = _libc.syscall(_OPENAT2, dir_fd, os.fsencode(rel or "."), ctypes.byref(how), ctypes.sizeof(how))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), rel)
@@ -255,13 +264,13 @@ def open_in_root(root, path, flags, mode=0o644, cwd=None) -> int:
             if flags & os.O_CREAT and not flags & os.O_EXCL:
                 # Exclusive first, so a file made here (and only such) goes to the agent.
                 try:
-                    fd = _openat2(root_fd, "/".join(parts), flags | os.O_EXCL, mode)
+                    fd = openat2(root_fd, "/".join(parts), flags | os.O_EXCL, mode)
                 except FileExistsError:
                     pass
                 else:
                     _give_fd_to_owner(fd, _owner(root_fd))
                     return fd
-            fd = _openat2(root_fd, "/".join(parts), flags, mode)
+            fd = openat2(root_fd, "/".join(parts), flags, mode)
             if flags & os.O_EXCL:
                 _give_fd_to_owner(fd, _owner(root_fd))
             return fd
@@ -327,37 +336,99 @@ def rename_in_root(root, src, dst, cwd=None) -> None:
         _close_all(src_fds)
 
 
+class TooManyEntries(OSError):
+    """A directory (or a tree) holds more entries, or is deeper, than the caller's cap; nothing was changed."""
+
+    def __init__(self, path, cap: int, what: str = "entries"):
+        super().__init__(errno.EFBIG, f"more than {cap} {what}", os.fspath(path))
+        self.cap = cap
+
+
+MAX_LIST_ENTRIES = 20_000  # entries of one directory listed for an agent
+MAX_REMOVE_ENTRIES = 100_000  # entries of one tree removed for an agent
+MAX_TREE_DEPTH = 64  # levels of one tree removed for an agent
+# Directories below a directory fd: no symlink followed, and a FIFO swapped in is ENOTDIR, never opened.
+_SUBDIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def list_dir_at(dir_fd: int, cap: int = MAX_LIST_ENTRIES, path="") -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of each entry of the directory open as `dir_fd`, at most `cap` of them.
+
+    Nothing is opened and no symlink followed: the entries are read with
+    getdents and stat-ed with ``fstatat(AT_SYMLINK_NOFOLLOW)``.  Past the cap,
+    TooManyEntries.  An entry that vanishes meanwhile is left out.
+    """
+    out = []
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if len(out) >= cap:
+                raise TooManyEntries(path, cap)
+            try:
+                out.append((entry.name, entry.stat(follow_symlinks=False)))
+            except FileNotFoundError:
+                continue
+    return out
+
+
+def _count_tree(dir_fd: int, budget: list[int], depth: int, path) -> None:
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise TooManyEntries(path, MAX_REMOVE_ENTRIES)
+            if entry.is_dir(follow_symlinks=False):  # d_type, or an lstat: never an open
+                if depth >= MAX_TREE_DEPTH:
+                    raise TooManyEntries(path, MAX_TREE_DEPTH, "levels")
+                fd = os.open(entry.name, _SUBDIR, dir_fd=dir_fd)
+                try:
+                    _count_tree(fd, budget, depth + 1, path)
+                finally:
+                    os.close(fd)
+
+
 def _remove_entries(dir_fd: int) -> None:
-    """Empty the directory open as `dir_fd`, never following a symlink."""
+    """Empty the directory open as `dir_fd`, never following a symlink nor opening anything but a directory."""
     for entry in list(os.scandir(dir_fd)):
         if entry.is_dir(follow_symlinks=False):
-            fd = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(entry.name, _SUBDIR, dir_fd=dir_fd)
             try:
                 _remove_entries(fd)
             finally:
                 os.close(fd)
             os.rmdir(entry.name, dir_fd=dir_fd)
         else:
-            os.unlink(entry.name, dir_fd=dir_fd)
+            os.unlink(entry.name, dir_fd=dir_fd)  # a FIFO, a socket, a symlink: the name goes, nothing is opened
 
 
-def remove_tree_in_root(root, path, cwd=None) -> None:
-    """Remove `path` beneath `root` and everything in it; a symlink is removed, never followed."""
+def remove_tree_at(dir_fd: int, name: str, max_entries: int = MAX_REMOVE_ENTRIES, path=None) -> None:
+    """Remove `name` in the directory `dir_fd` and all beneath it, fd-relative and bounded.
+
+    A symlink, FIFO or socket is unlinked, never followed nor opened; a
+    directory is opened ``O_NOFOLLOW | O_DIRECTORY | O_NONBLOCK`` only.  The
+    tree is counted first: past `max_entries` entries or MAX_TREE_DEPTH
+    levels TooManyEntries is raised and nothing is removed.
+    """
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    fd = os.open(name, _SUBDIR, dir_fd=dir_fd)
+    try:
+        _count_tree(fd, [max_entries], 1, path if path is not None else name)
+        _remove_entries(fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def remove_tree_in_root(root, path, cwd=None, max_entries: int = MAX_REMOVE_ENTRIES) -> None:
+    """Remove `path` beneath `root` and everything in it (:func:`remove_tree_at`); a final symlink is removed."""
     root = os.fspath(root)
     fds, name, _, exists = _walk(root, _relative_parts(root, path, cwd), follow_final=False)
     try:
         if not exists or not name:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
-        st = os.stat(name, dir_fd=fds[-1], follow_symlinks=False)
-        if not stat.S_ISDIR(st.st_mode):
-            os.unlink(name, dir_fd=fds[-1])
-            return
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1])
-        try:
-            _remove_entries(fd)
-        finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=fds[-1])
+        remove_tree_at(fds[-1], name, max_entries, path)
     finally:
         _close_all(fds)
 
@@ -464,7 +535,7 @@ def open_in_root_unless(root, path, flags, refuse, mode=0o644, cwd=None, _follow
         if refuse(os.path.join(fd_path(parent_fd), name)):
             raise _refused(path)
         # O_NOFOLLOW: a symlink at the name is not followed here...
-        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+        return _create_at(parent_fd, name, flags | os.O_NOFOLLOW, mode, agent_owner(root))
     except OSError as err:
         if err.errno != errno.ELOOP or _followed:
             raise
@@ -605,6 +676,66 @@ def make_dirs_nofollow(root, path, cwd=None) -> None:
         os.close(fd)
 
 
+def _create_at(dir_fd: int, name: str, flags: int, mode: int, owner: tuple[int, int]) -> int:
+    """``openat`` that gives a file it creates (and only such) to `owner`: exclusive first."""
+    flags |= os.O_CLOEXEC
+    if flags & os.O_CREAT and not flags & os.O_EXCL:
+        try:
+            fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dir_fd)
+        except FileExistsError:
+            return os.open(name, flags & ~os.O_CREAT, mode, dir_fd=dir_fd)
+    else:
+        fd = os.open(name, flags, mode, dir_fd=dir_fd)
+    if flags & os.O_CREAT:
+        _give_fd_to_owner(fd, owner)
+    return fd
+
+
+def open_nofollow(root, path, flags, mode=0o644, cwd=None, regular: bool = True) -> int:
+    """An fd for `path` beneath `root`, reached through no symlink at all.
+
+    For the gateway's own writes in an agent's tree (spilled output, job
+    logs, a job's ``skills/``): even a symlink that stays inside the tree is
+    refused (SymlinkRefused), since it could lead into what the agent may only
+    read (``installed-skills/``).  ``O_NONBLOCK`` always, so a FIFO never
+    waits; with `regular` anything but a regular file is refused
+    (NotRegularFile) unless a directory or ``O_PATH`` was asked for.  A file
+    created here belongs to the agent root's owner.
+    """
+    root = os.fspath(root)
+    parts = _relative_parts(root, path, cwd)
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds = [root_fd]
+    try:
+        owner = _owner(root_fd)
+        if not parts:
+            fd = os.open(".", flags & ~(os.O_CREAT | os.O_EXCL), dir_fd=root_fd)
+        else:
+            # Each directory on the way O_NOFOLLOW from the one before (openat2 RESOLVE_NO_SYMLINKS
+            # would do it in one call; the walk works everywhere and refuses the same things).
+            for name in parts[:-1]:
+                fds.append(os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1]))
+            fd = _create_at(fds[-1], parts[-1], flags, mode, owner)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR) and _symlink_on_way(fds[-1], parts[len(fds) - 1:]):
+            raise SymlinkRefused(path, root) from None
+        raise
+    finally:
+        _close_all(fds)
+    if regular and not flags & (os.O_PATH | os.O_DIRECTORY) and not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, "not a regular file", os.fspath(path))
+    return fd
+
+
+def _symlink_on_way(dir_fd: int, rest: list[str]) -> bool:
+    try:
+        return bool(rest) and stat.S_ISLNK(os.stat(rest[0], dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def write_atomically_at(dir_fd: int, name: str, data: bytes, *, owner: tuple[int, int] | None = None,
                         mode: int | None = None, before_rename=None) -> bool:
     """Replace `name` in the directory `dir_fd` with `data`, all or nothing.
@@ -642,3 +773,44 @@ def write_atomically_at(dir_fd: int, name: str, data: bytes, *, owner: tuple[int
     finally:
         os.close(directory)
     return True
+
+
+__all__ = [
+    "RESOLVE_NO_MAGICLINKS",
+    "RESOLVE_NO_SYMLINKS",
+    "RESOLVE_BENEATH",
+    "AT_FDCWD",
+    "NAME_MAX",
+    "PATH_MAX",
+    "PathOutsideRoot",
+    "InvalidPath",
+    "NotRegularFile",
+    "FileTooLarge",
+    "SymlinkRefused",
+    "check_path_text",
+    "resolve_in_root",
+    "openat2",
+    "open_in_root",
+    "mkdirs_in_root",
+    "unlink_in_root",
+    "rename_in_root",
+    "TooManyEntries",
+    "MAX_LIST_ENTRIES",
+    "MAX_REMOVE_ENTRIES",
+    "MAX_TREE_DEPTH",
+    "list_dir_at",
+    "remove_tree_at",
+    "remove_tree_in_root",
+    "lstat_in_root",
+    "read_tree_in_root",
+    "fd_path",
+    "open_in_root_unless",
+    "unlink_in_root_unless",
+    "give_to_dir_owner",
+    "agent_owner",
+    "read_at_most",
+    "read_regular_in_root",
+    "make_dirs_nofollow",
+    "open_nofollow",
+    "write_atomically_at",
+]

@@ -1,4 +1,4 @@
-"""workspace_paths: lexical and symlink escapes refused, inside links allowed,
+"""kernel_gateway.fs: lexical and symlink escapes refused, inside links allowed,
 and no open through a directory being swapped for a symlink lands outside."""
 
 import os
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from kernel_gateway.tools import workspace_paths as wp
-from kernel_gateway.tools.workspace_paths import PathOutsideRoot
+from kernel_gateway.fs import paths as wp
+from kernel_gateway.fs import PathOutsideRoot
 
 
 @pytest.fixture
