@@ -32,6 +32,7 @@ from .notebooks import NotebookStore
 from .sessions import Sessions
 from .settings import Gateway
 from . import fs
+from .fs.workers import AgentWorkers
 from .tools import apply_patch
 from .tools.command import run_command
 
@@ -53,6 +54,9 @@ class Core:
         self.jobs: Any = None  # the JobManager, set once the server has started it
         self.jupyter: Any = None  # the Jupyter Server API (JupyterAPI), set likewise
         self._notebook_stores: dict[str, NotebookStore] = {}
+        # Agent-sized disk and CPU work (contents, notebooks, patches, reads), off the loop,
+        # within a per-agent share of these threads.
+        self.workers = AgentWorkers()
 
     # --- tools ------------------------------------------------------------------
 

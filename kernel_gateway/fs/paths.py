@@ -676,6 +676,51 @@ def make_dirs_nofollow(root, path, cwd=None) -> None:
         os.close(fd)
 
 
+# --- fd-relative steps, for callers that hold a directory fd of the tree -----------------
+
+
+def lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
+    """The entry `name` of `dir_fd` itself (a symlink is not followed); None if missing."""
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def mkdir_at(dir_fd: int, name: str, mode: int = 0o755) -> None:
+    """``mkdirat``; the new directory goes to the owner of `dir_fd` (the agent), not to root."""
+    os.mkdir(name, mode, dir_fd=dir_fd)
+    give_to_dir_owner(dir_fd, name)
+
+
+def unlink_at(dir_fd: int, name: str) -> None:
+    """``unlinkat``: a symlink or FIFO itself goes, nothing is followed or opened."""
+    os.unlink(name, dir_fd=dir_fd)
+
+
+def rmdir_at(dir_fd: int, name: str) -> None:
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def rename_at(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+    """``renameat`` between two directory fds of the tree (a symlink is renamed, not followed)."""
+    os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+
+
+def open_dir_at(dir_fd: int, name: str) -> int:
+    """A readable fd of the directory `name` in `dir_fd`: no symlink followed, a FIFO never opened."""
+    return os.open(name, _SUBDIR, dir_fd=dir_fd)
+
+
+def protected_at(dir_fd: int, name: str, protected) -> str | None:
+    """``protected(physical path)`` of `name` in the directory actually open as `dir_fd`.
+
+    The Library's guard judged on the fd reached, not on a path string a
+    symlink could redirect after the check.
+    """
+    return protected(os.path.join(fd_path(dir_fd), name) if name else fd_path(dir_fd))
+
+
 def _create_at(dir_fd: int, name: str, flags: int, mode: int, owner: tuple[int, int]) -> int:
     """``openat`` that gives a file it creates (and only such) to `owner`: exclusive first."""
     flags |= os.O_CLOEXEC
@@ -811,6 +856,13 @@ __all__ = [
     "read_at_most",
     "read_regular_in_root",
     "make_dirs_nofollow",
+    "lstat_at",
+    "mkdir_at",
+    "unlink_at",
+    "rmdir_at",
+    "rename_at",
+    "open_dir_at",
+    "protected_at",
     "open_nofollow",
     "write_atomically_at",
 ]

@@ -10,6 +10,14 @@ a symlink out of the tree, ``..``, an absolute path or another agent's tree is
 refused and nothing outside is ever read or written.  Reads are of regular
 files only (a FIFO cannot block the gateway) and size-capped before reading;
 writes are atomic (temp file, fsync, rename in the same directory).
+Symlinks are followed only while they stay inside the tree, as
+jupyter_server follows them within its root: the agent's own links are part
+of what it sees; every write is then judged by the Library's guard on the
+directory descriptor reached.  Listings are capped (``fs.MAX_LIST_ENTRIES``)
+and a folder's checkpoints are removed fd-relative without following or
+opening anything but directories.  Every method is agent-sized disk work:
+the routes call it on a worker thread within the agent's share
+(:mod:`kernel_gateway.fs.workers`), never on the event loop.
 """
 
 from __future__ import annotations
@@ -48,18 +56,8 @@ def check_api_path(path: str) -> str:
     parts = path.split("/") if path else []
     if any(p in ("..", ".") or p == "" for p in parts):
         raise bad_request(f"path {path!r} has '.', '..' or empty components", code="path_outside_root")
-    wp.check_path_text(path) if hasattr(wp, "check_path_text") else _check_text(path)
+    wp.check_path_text(path)  # NUL, over-long, not UTF-8: 400 invalid_path
     return path
-
-
-def _check_text(path: str) -> None:
-    raw = path.encode("utf-8", "surrogatepass")
-    if b"\0" in raw or len(raw) > 4096 or any(len(p) > 255 for p in raw.split(b"/")):
-        raise bad_request(f"invalid path {path[:200]!r}", code="invalid_path")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request("a path must be valid UTF-8", code="invalid_path") from None
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -72,14 +70,14 @@ class Contents:
 
     def __init__(self, root: str, protected: Callable[[str], str | None] | None = None):
         self.root = root
+        self.root_real = str(wp.resolve_in_root(root, "."))
         # protected(physical path) -> why the agent may not write it (the Agent Library's documents
         # and installed skills), or None.
         self.protected = protected or (lambda physical: None)
 
     def _guard(self, dir_fd: int, name: str, path: str) -> None:
         """Refuse a write to what the agent may only read, judged on the directory actually opened."""
-        physical = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
-        why = self.protected(physical)
+        why = wp.protected_at(dir_fd, name, self.protected)
         if why:
             raise GatewayError(403, "read_only", f"{path}: {why}", "")
 
@@ -128,11 +126,7 @@ class Contents:
             raise
 
     def _exists_in(self, dir_fd: int, name: str) -> bool:
-        try:
-            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
+        return wp.lstat_at(dir_fd, name) is not None
 
     def _read(self, path: str) -> bytes:
         try:
@@ -149,12 +143,9 @@ class Contents:
         dir_fd, name = self._parent_fd(path)
         try:
             self._guard(dir_fd, name, path)
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    raise bad_request(f"{path} is a directory", code="is_a_directory")
-            except FileNotFoundError:
-                pass
+            st = wp.lstat_at(dir_fd, name)
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                raise bad_request(f"{path} is a directory", code="is_a_directory")
             owner = os.fstat(dir_fd)  # the agent's file, not root's
             wp.write_atomically_at(dir_fd, name, data, owner=(owner.st_uid, owner.st_gid))
         finally:
@@ -164,8 +155,7 @@ class Contents:
         dir_fd, name = self._parent_fd(path)
         try:
             self._guard(dir_fd, name, path)
-            os.mkdir(name, 0o755, dir_fd=dir_fd)
-            wp.give_to_dir_owner(dir_fd, name)
+            wp.mkdir_at(dir_fd, name, 0o755)
         except FileExistsError:
             raise conflict(f"{path} already exists", code="exists") from None
         finally:
@@ -178,7 +168,7 @@ class Contents:
             "name": path.rpartition("/")[2],
             "path": path,
             "type": type_,
-            "writable": not self.protected(os.path.join(os.path.realpath(self.root), path)),
+            "writable": not self.protected(os.path.join(self.root_real, path)),
             "created": _iso(info.st_ctime),
             "last_modified": _iso(info.st_mtime),
             "size": info.st_size if type_ != "directory" else None,
@@ -219,17 +209,24 @@ class Contents:
         model = self._base_model(path, info, "directory")
         if not content:
             return model
-        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
         items = []
         try:
-            for entry in os.scandir(fd):
-                if entry.name.startswith("."):
+            try:
+                entries = wp.list_dir_at(fd, wp.MAX_LIST_ENTRIES, path)
+            except wp.TooManyEntries:
+                raise GatewayError(413, "too_many_entries",
+                                   f"{path or 'the top folder'} holds more than {wp.MAX_LIST_ENTRIES} entries",
+                                   "list it with a command (ls), or split it into folders") from None
+            for name, child_info in entries:
+                if name.startswith("."):
                     continue  # hidden, as jupyter_server hides them
-                child = f"{path}/{entry.name}" if path else entry.name
-                try:
-                    child_info = self._stat(child)  # a symlink out of the tree is not listed
-                except GatewayError:
-                    continue
+                child = f"{path}/{name}" if path else name
+                if stat.S_ISLNK(child_info.st_mode):
+                    try:
+                        child_info = self._stat(child)  # a symlink out of the tree is not listed
+                    except GatewayError:
+                        continue
                 kind = self._type_of(child, child_info)
                 if kind != "directory" and not stat.S_ISREG(child_info.st_mode):
                     continue  # FIFOs, sockets, devices
@@ -419,7 +416,7 @@ class Contents:
                 self._guard(dst_fd, dst_name, new)
                 if self._exists_in(dst_fd, dst_name):
                     raise conflict(f"File already exists: {new}", code="exists")
-                os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                wp.rename_at(src_fd, src_name, dst_fd, dst_name)
             finally:
                 os.close(dst_fd)
         finally:
@@ -432,27 +429,33 @@ class Contents:
             raise bad_request("the root cannot be deleted", code="invalid_path")
         dir_fd, name = self._parent_fd(path)
         try:
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                raise not_found(f"File or directory does not exist: {path}", code="not_found") from None
+            st = wp.lstat_at(dir_fd, name)
+            if st is None:
+                raise not_found(f"File or directory does not exist: {path}", code="not_found")
             self._guard(dir_fd, name, path)
             if stat.S_ISDIR(st.st_mode):
-                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                inner = wp.open_dir_at(dir_fd, name)
                 try:
-                    names = [n for n in os.listdir(inner) if n != CHECKPOINT_DIR]
-                    if names:
+                    # Only the checkpoints may be left, as jupyter_server allows; whatever
+                    # .ipynb_checkpoints is (a folder, a symlink, a FIFO), it is removed
+                    # without being followed or opened, and within the removal caps.
+                    try:
+                        names = [n for n, _ in wp.list_dir_at(inner, 1, path)]
+                    except wp.TooManyEntries:
+                        names = ["", ""]  # two entries or more: not only the checkpoints
+                    if [n for n in names if n != CHECKPOINT_DIR]:
                         raise bad_request(f"Directory {path} not empty", "delete what it holds first",
                                           code="not_empty")
-                    if CHECKPOINT_DIR in os.listdir(inner):
-                        import shutil
-
-                        shutil.rmtree(CHECKPOINT_DIR, dir_fd=inner)  # fd-based: follows no symlink
+                    if names:
+                        wp.remove_tree_at(inner, CHECKPOINT_DIR, path=f"{path}/{CHECKPOINT_DIR}")
+                except wp.TooManyEntries as e:
+                    raise GatewayError(413, "too_many_entries", f"{path}/{CHECKPOINT_DIR} holds {e.strerror}",
+                                       "delete its contents with a command first") from None
                 finally:
                     os.close(inner)
-                os.rmdir(name, dir_fd=dir_fd)
+                wp.rmdir_at(dir_fd, name)
             else:
-                os.unlink(name, dir_fd=dir_fd)  # a symlink itself, never its target
+                wp.unlink_at(dir_fd, name)  # a symlink itself, never its target
         finally:
             os.close(dir_fd)
 
@@ -516,8 +519,10 @@ class Contents:
 
     def delete_checkpoint(self, path: str, checkpoint_id: str) -> None:
         path = self._check_checkpoint(path, checkpoint_id)
-        dir_fd, name = self._parent_fd(self._checkpoint_path(path))
+        checkpoint = self._checkpoint_path(path)
+        dir_fd, name = self._parent_fd(checkpoint)
         try:
-            os.unlink(name, dir_fd=dir_fd)
+            self._guard(dir_fd, name, checkpoint)  # the Library's files have no checkpoint to delete
+            wp.unlink_at(dir_fd, name)
         finally:
             os.close(dir_fd)

@@ -230,89 +230,96 @@ class SessionHandler(JupyterHandler):
         self.no_content()
 
 
-class ContentsHandler(JupyterHandler):
+class ContentsWork(JupyterHandler):
+    """Jupyter contents: every call is disk work sized by the agent, so it runs on a worker
+    thread within the agent's share (``core.workers``), and so does encoding the reply."""
+
     tool = "jupyter_contents"
 
     def contents(self):
         return self.core.jupyter.contents(self.agent)
 
-    def location(self, model: dict) -> None:
-        self.set_header("Location", f"{self.base_url}api/contents/{model['path']}")
+    async def work(self, fn, *args, **kwargs):
+        return await self.core.workers.run(self.agent, fn, *args, **kwargs)
 
-    def get(self, agent: str, path: str | None) -> None:
+    async def reply(self, model: Any, status: int = 200, location: bool = True) -> None:
+        if location:
+            self.set_header("Location", f"{self.base_url}api/contents/{model['path']}")
+        text = await self.work(json.dumps, model)  # a 35 MB notebook is not encoded on the loop
+        self.set_status(status)
+        text = self.scrub(text)
+        self._bytes_out += len(text)
+        self.finish(text)
+
+
+class ContentsHandler(ContentsWork):
+    async def get(self, agent: str, path: str | None) -> None:
         content = self.get_query_argument("content", "1")
         if content not in ("0", "1"):
             raise bad_request(f"Content {content!r} is invalid", "0 or 1", code="invalid_content")
-        model = self.contents().get(
-            api_path(path), content=content == "1",
+        model = await self.work(
+            self.contents().get, api_path(path), content=content == "1",
             type_=self.get_query_argument("type", None) or None,
             format_=self.get_query_argument("format", None) or None,
         )
-        self.location(model)
-        self.send_json(model)
+        await self.reply(model)
 
-    def put(self, agent: str, path: str | None) -> None:
+    async def put(self, agent: str, path: str | None) -> None:
         contents = self.contents()
         model = self.body(optional=True)
         path = api_path(path)
         if model is None:
-            self._created(contents.new_untitled(path))
+            await self.reply(await self.work(contents.new_untitled, path), 201)
             return
-        existed = contents.exists(path)
-        result = contents.save(path, model)
-        self.location(result)
-        self.send_json(result, 200 if existed else 201)
 
-    def post(self, agent: str, path: str | None) -> None:
+        def save() -> tuple[bool, dict]:
+            existed = contents.exists(path)
+            return existed, contents.save(path, model)
+
+        existed, result = await self.work(save)
+        await self.reply(result, 200 if existed else 201)
+
+    async def post(self, agent: str, path: str | None) -> None:
         contents = self.contents()
         model = self.body(optional=True) or {}
         unknown = sorted(set(model) - {"copy_from", "ext", "type"})
         if unknown:
             raise bad_request(f"unknown field {unknown[0]!r}", "allowed: copy_from, ext, type", code="unknown_field")
         if model.get("copy_from") is not None:
-            self._created(contents.copy(model["copy_from"], api_path(path)))
+            created = await self.work(contents.copy, model["copy_from"], api_path(path))
         else:
-            self._created(contents.new_untitled(api_path(path), model.get("type", ""), model.get("ext", "")))
+            created = await self.work(contents.new_untitled, api_path(path), model.get("type", ""), model.get("ext", ""))
+        await self.reply(created, 201)
 
-    def _created(self, model: dict) -> None:
-        self.location(model)
-        self.send_json(model, 201)
-
-    def patch(self, agent: str, path: str | None) -> None:
+    async def patch(self, agent: str, path: str | None) -> None:
         model = self.body()
         new = model.get("path")
         if not isinstance(new, str):
             raise bad_request("the body needs the new 'path'", code="missing_field")
-        result = self.contents().rename(api_path(path), new)
-        self.location(result)
-        self.send_json(result)
+        await self.reply(await self.work(self.contents().rename, api_path(path), new))
 
-    def delete(self, agent: str, path: str | None) -> None:
-        self.contents().delete(api_path(path))
+    async def delete(self, agent: str, path: str | None) -> None:
+        await self.work(self.contents().delete, api_path(path))
         self.no_content()
 
 
-class CheckpointsHandler(JupyterHandler):
-    tool = "jupyter_contents"
+class CheckpointsHandler(ContentsWork):
+    async def get(self, agent: str, path: str | None) -> None:
+        await self.reply(await self.work(self.contents().list_checkpoints, api_path(path)), location=False)
 
-    def get(self, agent: str, path: str | None) -> None:
-        self.send_json(self.core.jupyter.contents(self.agent).list_checkpoints(api_path(path)))
-
-    def post(self, agent: str, path: str | None) -> None:
-        model = self.core.jupyter.contents(self.agent).create_checkpoint(api_path(path))
+    async def post(self, agent: str, path: str | None) -> None:
+        model = await self.work(self.contents().create_checkpoint, api_path(path))
         self.set_header("Location", f"{self.base_url}api/contents/{path}/checkpoints/{model['id']}")
-        self.send_json(model, 201)
+        await self.reply(model, 201, location=False)
 
 
-class CheckpointHandler(JupyterHandler):
-    tool = "jupyter_contents"
-
-    def post(self, agent: str, path: str | None, checkpoint_id: str) -> None:
-        self.core.jupyter.contents(self.agent).restore_checkpoint(api_path(path), checkpoint_id)
+class CheckpointHandler(ContentsWork):
+    async def post(self, agent: str, path: str | None, checkpoint_id: str) -> None:
+        await self.work(self.contents().restore_checkpoint, api_path(path), checkpoint_id)
         self.no_content()
 
-    def delete(self, agent: str, path: str | None, checkpoint_id: str) -> None:
-        self.core.jupyter.contents(self.agent).delete_checkpoint(api_path(path), checkpoint_id)
+    async def delete(self, agent: str, path: str | None, checkpoint_id: str) -> None:
+        await self.work(self.contents().delete_checkpoint, api_path(path), checkpoint_id)
         self.no_content()
 
 
