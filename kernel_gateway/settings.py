@@ -117,6 +117,27 @@ class Gateway(Configurable):
         "the next free one of the following 50 is used, as Jupyter Server does.",
     )
 
+    # --- per-agent shares of the gateway's shared pools (each also has a total) ---------------
+    listen_backlog = Int(
+        1024, config=True,
+        help="Listen backlog of every socket (the kernel caps it at net.core.somaxconn): clients connecting at once "
+        "while the gateway is busy wait in this queue instead of getting EAGAIN.",
+    )
+    max_jupyter_connections_per_agent = Int(
+        64, config=True,
+        help="Open connections of one agent on the Jupyter TCP port (counted from its first request with a valid "
+        "token); more are refused with 429.",
+    )
+    max_unauthenticated_connections = Int(
+        128, config=True,
+        help="Connections to the Jupyter TCP port that have not yet sent a request with a valid token; past it "
+        "the oldest of them is closed to make room.",
+    )
+    unauthenticated_timeout = Float(
+        10.0, config=True,
+        help="Seconds a connection to the Jupyter TCP port has to send a request with a valid token; then it is closed.",
+    )
+
     def resolved(self) -> "Gateway":
         """Absolute paths, so later chdirs cannot move them."""
         self.root = os.path.abspath(self.root)

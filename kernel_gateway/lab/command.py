@@ -140,7 +140,7 @@ def listen(port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise LabError(f"port {port} on {HOST} is in use", "choose another --port (0: any free one)") from None
         raise LabError(f"cannot listen on {HOST}:{port}: {e.strerror}") from None
-    sock.listen(128)
+    sock.listen(socket.SOMAXCONN)  # a burst of browser connections waits, never gets EAGAIN
     sock.setblocking(False)
     return sock
 

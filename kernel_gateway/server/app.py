@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
-from tornado import httpserver, netutil, web
+from tornado import web
 from tornado.log import access_log
 
 from .. import __version__
@@ -40,6 +40,7 @@ log = logging.getLogger("kernel_gateway")
 
 ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes, token_routes]
 JUPYTER_PORT_RETRIES = 50  # as Jupyter Server's port_retries
+TCP_IDLE_SECONDS = 600  # an authenticated keep-alive connection between requests (it counts against its agent)
 
 
 def make_app(core: Core, scope: str | None = None) -> web.Application:
@@ -93,12 +94,11 @@ class GatewayServer:
 
     def __init__(self, settings: Gateway):
         self.settings = settings.resolved()
-        self.servers: dict[str | None, tuple[httpserver.HTTPServer, str]] = {}
+        self.servers: dict[str | None, str] = {}  # the socket path of the control socket and of each agent
         self._lock_file: Any = None
         self._stopping = False
         self._cull_task: asyncio.Task | None = None
         self.core: Core | None = None
-        self.jupyter_server: httpserver.HTTPServer | None = None
 
     def _prepare_dirs(self) -> None:
         s = self.settings
@@ -117,16 +117,15 @@ class GatewayServer:
             raise SystemExit(f"another gateway is running with the state directory {s.state_dir}") from None
 
     def _listen(self, path: str, scope: str | None) -> None:
-        sock = netutil.bind_unix_socket(path, mode=0o600)
-        server = httpserver.HTTPServer(
-            make_app(self.core, scope),
+        # Through the gate: caps per agent socket, and no spinning when descriptors run out.
+        self.gate.listen_unix(
+            path, make_app(self.core, scope),
+            scope,
             # Above the configured cap, so the handler can answer 413 in JSON.
             max_body_size=self.settings.max_body_size + (1 << 20),
             idle_connection_timeout=3600,
         )
-        # Our own accept loop: caps per agent socket, and no spinning when descriptors run out.
-        self.gate.listen(sock, server, scope)
-        self.servers[scope] = (server, path)
+        self.servers[scope] = path
 
     def _listen_jupyter(self) -> None:
         """The loopback TCP listener; the default port moves on to a free one, an explicit port must be free."""
@@ -135,7 +134,7 @@ class GatewayServer:
         ports = [s.jupyter_port + i for i in range(JUPYTER_PORT_RETRIES + 1)] if default else [s.jupyter_port]
         for port in ports:
             try:
-                sockets = netutil.bind_sockets(port, JUPYTER_HOST)
+                sockets = self.gate.bind_tcp(port, JUPYTER_HOST)
                 break
             except OSError as e:
                 last = e
@@ -144,11 +143,12 @@ class GatewayServer:
                 f"kernel-gateway: cannot listen on {JUPYTER_HOST}:{ports[-1]} for the Jupyter API: {last}; "
                 "choose another --jupyter-port (0: any free one) or --no-jupyter"
             )
-        server = httpserver.HTTPServer(
-            make_jupyter_app(self.core), max_body_size=s.max_body_size + (1 << 20), idle_connection_timeout=3600
+        # Through the gate too: few and short connections until a token names their agent, then its share.
+        self.gate.listen_tcp(
+            sockets, make_jupyter_app(self.core),
+            lambda path, headers: jupyter_routes.tcp_request_agent(self.core, path, headers),
+            max_body_size=s.max_body_size + (1 << 20), idle_connection_timeout=TCP_IDLE_SECONDS,
         )
-        server.add_sockets(sockets)
-        self.jupyter_server = server
         self.core.jupyter.url = f"http://{JUPYTER_HOST}:{sockets[0].getsockname()[1]}/"
 
     def _agent_created(self, agent: str) -> None:
@@ -191,7 +191,7 @@ class GatewayServer:
         bwrap = find_bwrap(s.bwrap or None)
         self._check_profiles()
         self._prepare_dirs()
-        self.gate = ConnectionGate(s.max_connections_per_agent_socket, s.fd_reserve)
+        self.gate = ConnectionGate(s)
         core = self.core = Core(s)
         core.info = {
             "version": __version__,
@@ -265,14 +265,12 @@ class GatewayServer:
         if self._cull_task:
             self._cull_task.cancel()
         self.gate.close_all()
-        if self.jupyter_server is not None:
-            self.jupyter_server.stop()
         if self.core.jupyter is not None:
             self.core.jupyter.bridges.close_all()
         if self.core.jobs:
             await self.core.jobs.stop()
         await self.core.close()
-        for _server, path in self.servers.values():
+        for path in self.servers.values():
             try:
                 os.unlink(path)
             except FileNotFoundError:

@@ -13,6 +13,8 @@ clients and ours both read them.  Tokens are minted on the control socket:
 from __future__ import annotations
 
 import json
+import re
+import urllib.parse
 from typing import Any
 
 from tornado import web
@@ -42,6 +44,26 @@ def request_token(handler: Any) -> str | None:
     if scheme.lower() in ("token", "bearer") and value.strip():
         return value.strip()
     return handler.get_query_argument("token", None)
+
+
+def tcp_request_agent(core: Any, path: str, headers: Any) -> str:
+    """The agent a request on the TCP port acts for, from its URL and token alone.
+
+    The accept gate calls this once the headers are in, before the body is read and before any
+    route runs; a GatewayError here is the whole answer, and the connection is closed.
+    """
+    match = re.match(r"/agents/([^/?#]+)/", path)
+    if match is None:
+        raise GatewayError(404, "no_route", f"no route {path.split('?')[0][:200]!r}",
+                           "the API of an agent is under /agents/{agent}/api/")
+    agent = urllib.parse.unquote(match.group(1))
+    header = headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    token = value.strip() if scheme.lower() in ("token", "bearer") and value.strip() else None
+    if token is None:
+        token = (urllib.parse.parse_qs(urllib.parse.urlsplit(path).query).get("token") or [None])[-1]
+    resolve_agent(core, None, True, agent, token)
+    return agent
 
 
 def resolve_agent(core: Any, scope: str | None, tcp: bool, agent: str, token: str | None) -> str:
