@@ -294,10 +294,16 @@ def _tail(fd: int, keep: int) -> str:
 
 def _open_log(ctx: Context, job: Any, name: str) -> int:
     path = os.path.join(job.workspace, name)
-    # O_EXCL + openat2 beneath the root: whatever the agent put there, this is a new file of ours.
-    return fs.open_in_root(
-        ctx.agent_root, path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o644
-    )
+    # O_EXCL through no symlink: whatever the agent put there, this is a new file (the agent's).
+    return _open_nofollow(ctx, path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+
+
+def _open_nofollow(ctx: Context, rel: str, flags: int, mode: int = 0o644) -> int:
+    """``fs.open_nofollow`` beneath the agent root; a symlink on the way is an OSError (ELOOP) here."""
+    try:
+        return fs.open_nofollow(ctx.agent_root, rel, flags, mode)
+    except fs.PathOutsideRoot:
+        raise OSError(errno.ELOOP, "it is, or goes through, a symlink; refused", rel) from None
 
 
 def _pin(ctx: Context, rel: str) -> int:
@@ -307,7 +313,7 @@ def _pin(ctx: Context, rel: str) -> int:
     agent swapped in (``jobs/<id>`` -> another agent's files); binding the fd
     binds the very directory we checked.
     """
-    fd = fs.open_in_root(ctx.agent_root, rel, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fd = _open_nofollow(ctx, rel, os.O_PATH | os.O_DIRECTORY)
     if not stat.S_ISDIR(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.ENOTDIR, "not a directory", rel)
@@ -446,11 +452,7 @@ def read_tails(ctx: Context, job: Any) -> tuple[str, str]:
 
 
 def _open_regular(ctx: Context, rel: str) -> int:
-    fd = fs.open_in_root(ctx.agent_root, rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", rel)
-    return fd
+    return _open_nofollow(ctx, rel, os.O_RDONLY)  # a regular file, reached through no symlink
 
 
 _HUNK = re.compile(rb"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
@@ -570,7 +572,7 @@ async def run(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | N
     """
     skipped = await copy_in(ctx, job, codex.config_toml if codex else "")
     if skills is not None:
-        skills()
+        await asyncio.to_thread(skills)  # up to megabytes of files: not on the event loop
     if cancel.is_set():
         outcome = Outcome(state="cancelled", error="cancelled on request")
     else:

@@ -499,16 +499,17 @@ class Library:
 
     def _user_skill_names(self, top: str) -> list[str]:
         try:
-            fd = wp.open_in_root(top, SKILLS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            fd = wp.open_in_root(top, SKILLS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return []
         try:
             names = []
-            for entry in os.scandir(fd):
-                if entry.is_dir(follow_symlinks=False) and SKILL_NAME.match(entry.name):
-                    if entry.name not in self.builtins.files:
-                        names.append(entry.name)
+            for name, st in wp.list_dir_at(fd, MAX_SKILL_FILES * 4, SKILLS_DIR):
+                if stat.S_ISDIR(st.st_mode) and SKILL_NAME.match(name) and name not in self.builtins.files:
+                    names.append(name)
             return sorted(names)
+        except wp.TooManyEntries:
+            return []
         finally:
             os.close(fd)
 
@@ -581,9 +582,11 @@ class Library:
                 if files is None:
                     continue
             for path, data in sorted(files.items()):
+                # Through no symlink at all: the job's skills/ (or a folder in it) replaced by a
+                # link, even into the agent's own installed-skills/, is refused, not written through.
                 target = f"{destination}/{name}/{path}"
-                wp.mkdirs_in_root(destination_root, os.path.dirname(target))
-                fd = wp.open_in_root(destination_root, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                wp.make_dirs_nofollow(destination_root, os.path.dirname(target))
+                fd = wp.open_nofollow(destination_root, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
             copied.append(name)

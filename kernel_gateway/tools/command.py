@@ -29,7 +29,7 @@ from .. import command_spares
 from ..errors import GatewayError, bad_request
 from ..workspace import check_session_id
 from ..sandbox import launch
-from ..fs import PathOutsideRoot, mkdirs_in_root, open_in_root, resolve_in_root
+from ..fs import PathOutsideRoot, fd_path, make_dirs_nofollow, open_in_root, open_nofollow, resolve_in_root
 
 REQUEST_KEYS = ("command", "argv", "cwd", "session", "timeout", "env", "stdin", "stream")
 READ_CHUNK = 1 << 16
@@ -130,7 +130,7 @@ def _cwd(
         # tools; still looked up beneath the root, as it is a path in the agent's tree.
         cwd = session_cwd(session)
     if cwd is None:
-        return os.path.realpath(agent_root)
+        return str(resolve_in_root(agent_root, "."))
     if not isinstance(cwd, str) or not cwd:
         raise bad_request(f"'cwd' must be a non-empty path string, got {cwd!r}")
     try:
@@ -142,8 +142,10 @@ def _cwd(
             f"'cwd' {cwd!r} is outside the agent's workspace {agent_root}",
             "use a path relative to the agent root, or an absolute path inside it",
         ) from None
-    if not resolved.is_dir():
-        raise bad_request(f"'cwd' {cwd!r} is not an existing directory", code="bad_cwd")
+    try:
+        os.close(open_in_root(agent_root, resolved, os.O_PATH | os.O_DIRECTORY))
+    except (OSError, PathOutsideRoot):
+        raise bad_request(f"'cwd' {cwd!r} is not an existing directory", code="bad_cwd") from None
     return str(resolved)
 
 
@@ -241,20 +243,22 @@ class BoundedStream:
 
 
 def _spill_opener(agent_root: str, spill_dir: str, run_id: str) -> Callable[[str], tuple[str, int]]:
-    """Creates spill files beneath the agent root: the agent could swap in a symlink."""
+    """Creates spill files beneath the agent root, through no symlink at all.
+
+    The agent could replace ``.kernel-gateway`` or ``commands`` with a symlink,
+    even one inside its tree (into ``installed-skills/``, which it may only
+    read): the gateway writes as root, so it follows none.  The file is the
+    agent's (``open_nofollow`` gives it to the root's owner).
+    """
 
     def open_spill(stream: str) -> tuple[str, int]:
         path = os.path.join(spill_dir, f"{stream}-{run_id}.txt")
         try:
-            mkdirs_in_root(agent_root, spill_dir)
-            fd = open_in_root(agent_root, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            make_dirs_nofollow(agent_root, spill_dir)
+            fd = open_nofollow(agent_root, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except PathOutsideRoot:
-            raise OSError(errno.EXDEV, f"{spill_dir} leads outside the agent's tree") from None
-        owner = os.stat(agent_root)
-        if (owner.st_uid, owner.st_gid) != (os.geteuid(), os.getegid()):
-            os.fchown(fd, owner.st_uid, owner.st_gid)  # the agent's file, like its tree
-        # Where the file really is, whatever symlinks inside the tree led there.
-        return os.readlink(f"/proc/self/fd/{fd}"), fd
+            raise OSError(errno.EXDEV, f"{spill_dir} is, or goes through, a symlink; refused") from None
+        return fd_path(fd), fd
 
     return open_spill
 
