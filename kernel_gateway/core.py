@@ -126,13 +126,13 @@ class Core:
         """Apply a Codex-grammar patch in the agent's tree (``cwd`` relative to its root)."""
         root = self.agents.agent_root(agent)
         # Disk work in the agent's tree stays off the event loop.
-        resolved, targets = await asyncio.to_thread(_patch_cwd_and_targets, root, patch, cwd)
+        resolved, targets = await self.workers.run(agent, _patch_cwd_and_targets, root, patch, cwd)
         self.refuse_protected(agent, targets)
         external = self.settings.apply_patch_command
         if not external:
             library = self.library
-            return (await asyncio.to_thread(
-                apply_patch.apply_patch, patch, resolved, root=root,
+            return (await self.workers.run(
+                agent, apply_patch.apply_patch, patch, resolved, root=root,
                 refuse=lambda path: library.protected(agent, path) is not None,
             )).__dict__
         # The operator's binary, in the command sandbox over the workspace.  The patch goes

@@ -43,6 +43,8 @@ def notebook_session_id(path: str) -> str:
 
 Execute = Callable[[str, "float | None"], Awaitable[dict]]
 Restart = Callable[[], Awaitable[None]]
+# Runs the store's disk work off the loop: the routes pass the agent's share of the workers.
+OffLoop = Callable[..., Awaitable[Any]]
 
 
 async def run_cell(
@@ -54,6 +56,7 @@ async def run_cell(
     code: str | None = None,
     save_outputs: bool = True,
     timeout: float | None = None,
+    off_loop: OffLoop = asyncio.to_thread,
 ) -> dict:
     """Run one code cell by id; save its outputs and execution count into it.
 
@@ -64,12 +67,12 @@ async def run_cell(
     """
     if code is not None and not isinstance(code, str):
         raise bad_request(f"code must be a string, not {type(code).__name__}", code="invalid_source")
-    notebook = await asyncio.to_thread(store.contents, path)
+    notebook = await off_loop(store.contents, path)
     cell = _code_cell(notebook, cell_id, path)
     etag = notebook["etag"]
     source = cell["source"]
     if code is not None:
-        etag = (await asyncio.to_thread(store.replace_source, path, cell_id, code))["etag"]
+        etag = (await off_loop(store.replace_source, path, cell_id, code))["etag"]
         source = code
 
     result = await execute(source, timeout)
@@ -78,7 +81,7 @@ async def run_cell(
     if save_outputs:
         try:
             etag = (
-                await asyncio.to_thread(
+                await off_loop(
                     store.save_outputs,
                     path,
                     cell_id,
@@ -102,6 +105,7 @@ async def run_all(
     *,
     save_outputs: bool = False,
     timeout: float | None = None,
+    off_loop: OffLoop = asyncio.to_thread,
 ) -> dict:
     """Run the notebook's code cells top to bottom, stopping at the first that is not ok.
 
@@ -110,7 +114,7 @@ async def run_all(
     JupyterLab does).  With ``save_outputs``, all outputs are saved in one
     write at the end, unless the notebook's cells changed during the run.
     """
-    notebook = await asyncio.to_thread(store.contents, path)
+    notebook = await off_loop(store.contents, path)
     code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
     if restart is not None:
         await restart()
@@ -147,21 +151,22 @@ async def run_all(
 
     saved, reason = False, None
     if save_outputs and updates:
-        saved, reason = await _save_run(store, path, notebook, updates)
+        saved, reason = await _save_run(store, path, notebook, updates, off_loop)
     return {"status": status, "cells": reports, "stopped_at": stopped_at, "saved": saved, "reason": reason}
 
 
-async def _save_run(store: NotebookStore, path: str, before: dict, updates: list[dict]) -> tuple[bool, str | None]:
+async def _save_run(store: NotebookStore, path: str, before: dict, updates: list[dict],
+                    off_loop: "OffLoop") -> tuple[bool, str | None]:
     """Save a run's outputs if the notebook's cells are still those that ran."""
     try:
-        now = await asyncio.to_thread(store.contents, path)
+        now = await off_loop(store.contents, path)
         if _cell_sources(now) != _cell_sources(before):
             return False, (
                 "the notebook's cells changed during the run (added, removed, moved or edited); "
                 "outputs were not saved"
             )
         # If-Match: a change landing between this check and the write is refused too.
-        await asyncio.to_thread(store.save_many_outputs, path, updates, now["etag"])
+        await off_loop(store.save_many_outputs, path, updates, now["etag"])
         return True, None
     except GatewayError as error:
         return False, f"outputs were not saved: {error.message}"

@@ -40,6 +40,7 @@ import nbformat
 from nbformat.v4.rwbase import rejoin_lines
 
 from kernel_gateway.errors import GatewayError, bad_request, conflict, not_found
+from kernel_gateway import fs
 from kernel_gateway.fs import (
     FileTooLarge,
     PathOutsideRoot,
@@ -543,9 +544,8 @@ class _NotebookFile:
 
     def read(self) -> bytes | None:
         # O_NONBLOCK: a FIFO named like a notebook must not hang the gateway.
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
         try:
-            fd = os.open(self.name, flags, dir_fd=self.dir_fd)
+            fd = fs.open_file_at(self.dir_fd, self.name)
         except FileNotFoundError:
             return None
         with os.fdopen(fd, "rb") as handle:
@@ -566,7 +566,7 @@ class _NotebookFile:
         """
         mode = None
         if old is not None:  # keep the mode the file had
-            mode = stat.S_IMODE(os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False).st_mode)
+            mode = stat.S_IMODE(fs.lstat_at(self.dir_fd, self.name).st_mode)
         return write_atomically_at(
             self.dir_fd, self.name, new, owner=self.owner, mode=mode, before_rename=lambda: self.read() == old
         )

@@ -102,3 +102,162 @@ def test_the_listener_guard_sees_each_way_to_listen():
     found = listener_violations(bad)
     assert [f.split(":")[0] for f in found] == sorted(bad), found
     assert not listener_violations({GATE: bad["a.py"], "lab/command.py": "def listen(s):\n    s.listen(5)\n"})
+
+
+# --- the confined filesystem layer -------------------------------------------------------
+#
+# Every host-side open, create, list, rename, chown and remove in an agent's tree goes through
+# kernel_gateway/fs.  Outside it, no call may name a path to the kernel: builtin open(), os.<path
+# functions>, os.path queries that touch the disk, shutil, glob, pathlib's file methods.  Calls on
+# fds (os.fstat, os.read, os.close, os.fdopen) are fine: the fd came from the layer.
+
+FS_LAYER = "fs/"
+OS_PATH_CALLS = {
+    "open", "stat", "lstat", "listdir", "scandir", "mkdir", "makedirs", "rename", "renames", "replace",
+    "remove", "unlink", "rmdir", "removedirs", "chmod", "lchmod", "chown", "lchown", "symlink", "readlink",
+    "walk", "fwalk", "link", "mkfifo", "mknod", "truncate", "utime", "access", "chdir", "chroot", "statvfs",
+    "getxattr", "setxattr", "listxattr", "removexattr",
+}
+OS_PATH_QUERIES = {"exists", "lexists", "isdir", "isfile", "islink", "ismount", "realpath", "getsize",
+                   "getmtime", "getatime", "getctime", "samefile"}
+PATHLIB_ONLY = {"read_text", "read_bytes", "write_text", "write_bytes", "iterdir", "rglob", "symlink_to",
+                "hardlink_to", "is_fifo", "is_socket", "is_block_device", "is_char_device"}
+PATHLIB_PURE = {"joinpath", "with_name", "with_suffix", "with_stem", "relative_to", "is_relative_to", "as_posix",
+                "match", "is_absolute"}  # string work, no disk
+
+# Modules whose every path is the gateway's or the operator's, never an agent's tree.
+FS_MODULES_ALLOWED = {
+    "sandbox/": "cgroups, /proc, the bind aliases, disk images, the profiles: the gateway's own paths",
+    "state_files.py": "the state directory's JSON writer",
+    "server/app.py": "the state, runtime and socket directories at start and stop",
+    "server/connections.py": "the gate's spare descriptor on /dev/null",
+    "kernel_pool.py": "the kernels' runtime directories",
+    "kernels.py": "kernelspecs, kernel logs and runtime files in the state directory",
+    "kernel_output.py": "the kernel log in the state directory",
+    "provisioner.py": "the Python environment and the runtime directory handed to the kernel",
+    "kernel_ext.py": "runs inside the kernel's sandbox, as the agent, not on the host",
+    "doctor.py": "the operator's checks, in a scratch directory of its own",
+    "cli.py": "the operator's command line: kernelspec install, settings files",
+    "audit.py": "the audit log in the state directory",
+    "jupyter_api/tokens.py": "the token store in the state directory",
+    "jupyter_api/kernelspecs.py": "the package's own kernelspec resources",
+    "codex_runner.py": "finding the operator's codex binary",
+    "command_spares.py": "finding the package's exec stub",
+    "lab/": "JupyterLab's runtime directory; the tree owner and the relay socket are opened O_NOFOLLOW "
+            "and checked by fd (see lab/forwarder.py)",
+}
+
+# Single functions, in modules that otherwise touch agent trees only through the layer.
+FS_FUNCTIONS_ALLOWED = {
+    ("agent_uids.py", "AgentUids.__init__"): "the uid map in the state directory",
+    ("agent_uids.py", "AgentUids.run_as"): "<root>/<agent> itself, the gateway's directory",
+    ("agent_uids.py", "own_tree"): "the first chown of a tree: fwalk(follow_symlinks=False) from an O_NOFOLLOW fd",
+    ("agent_uids.py", "_own_entry"): "one chown through an O_PATH|O_NOFOLLOW fd (fchownat AT_EMPTY_PATH)",
+    ("agents.py", "AgentRegistry.load"): "<root>/<agent> itself, the gateway's directory",
+    ("workspace.py", "create_agent_tree"): "<root>/<agent> itself, the gateway's directory",
+    ("jobs.py", "JobStore.save"): "job records in the state directory",
+    ("jobs.py", "JobStore.remove"): "job records in the state directory",
+    ("jobs.py", "JobStore.load_all"): "job records in the state directory",
+    ("jobs.py", "_source"): "realpath of the agent root itself, the gateway's path",
+    ("job_runner.py", "job_dir"): "realpath of the agent root itself, the gateway's path",
+    ("job_runner.py", "copy_in"): "realpath of the agent root itself, the gateway's path",
+    ("sessions.py", "Sessions.load_registry"): "the session registry in the state directory",
+    ("library.py", "_read_package_tree"): "the package's builtin skills",
+    ("library.py", "Builtins.__init__"): "the package's builtin skills",
+    ("library.py", "Library.enabled_overrides"): "skill settings in the state directory",
+    ("library.py", "Library._save_settings"): "skill settings in the state directory",
+    ("library.py", "Library._write_in_place"): "the document journal in the state directory",
+    ("library.py", "Library._replay_journal"): "the document journal in the state directory",
+    ("library.py", "Library.protected"): "realpath of a physical path already read from an fd (fs.fd_path)",
+    ("tools/apply_patch.py", "_Files.open"): "the reference-compatible mode without a root (parity tests only)",
+    ("tools/apply_patch.py", "_Files.makedirs"): "the reference-compatible mode without a root",
+    ("tools/apply_patch.py", "_Files.unlink"): "the reference-compatible mode without a root",
+    ("tools/apply_patch.py", "apply_patch"): "realpath of the cwd the gateway resolved beneath the root",
+}
+
+
+def filesystem_call(call: ast.Call) -> str | None:
+    """What a call does to the filesystem by path ('os.unlink', 'open', ...), or None."""
+    f = call.func
+    if isinstance(f, ast.Name) and f.id == "open":
+        return "open"
+    if not isinstance(f, ast.Attribute):
+        return None
+    owner = f.value
+    if isinstance(owner, ast.Name):
+        if owner.id == "os" and f.attr in OS_PATH_CALLS:
+            return f"os.{f.attr}"
+        if owner.id in ("shutil", "glob") or (owner.id == "io" and f.attr == "open"):
+            return f"{owner.id}.{f.attr}"
+    if (isinstance(owner, ast.Attribute) and owner.attr == "path" and isinstance(owner.value, ast.Name)
+            and owner.value.id == "os" and f.attr in OS_PATH_QUERIES):
+        return f"os.path.{f.attr}"
+    if f.attr in PATHLIB_ONLY:
+        return f"pathlib .{f.attr}()"
+    if isinstance(owner, ast.Call) and f.attr not in PATHLIB_PURE and getattr(
+            owner.func, "id", getattr(owner.func, "attr", "")) in ("Path", "PosixPath"):
+        return f"pathlib Path(...).{f.attr}()"
+    return None
+
+
+def fs_calls(tree: ast.AST):
+    """(scope, call, what) for every call of ``tree`` that touches the filesystem by path;
+    scope is 'Class.method' or 'function' (nested functions count as theirs)."""
+    for node, where in scopes(tree):
+        if isinstance(node, ast.Call):
+            what = filesystem_call(node)
+            if what:
+                yield ".".join(where.split(".")[:2]), node, what
+
+
+def filesystem_offences(sources: dict[str, str]) -> list[str]:
+    found = []
+    for module, text in sources.items():
+        if module.startswith(FS_LAYER) or any(
+                module == allowed or (allowed.endswith("/") and module.startswith(allowed))
+                for allowed in FS_MODULES_ALLOWED):
+            continue
+        for scope, call, what in fs_calls(ast.parse(text, module)):
+            if (module, scope) not in FS_FUNCTIONS_ALLOWED:
+                found.append(f"kernel_gateway/{module}:{call.lineno} {scope or '<module>'}: {what}")
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0])))
+
+
+def test_only_the_fs_layer_touches_paths():
+    offences = filesystem_offences(package_sources())
+    assert not offences, (
+        "filesystem calls by path outside kernel_gateway/fs (use the confined layer, or, for a path that "
+        "is never an agent's, add the function to FS_FUNCTIONS_ALLOWED saying why):\n" + "\n".join(offences))
+
+
+def test_the_fs_allow_list_names_what_exists():
+    """A stale entry would quietly allow a new function of the same name later."""
+    sources = package_sources()
+    for allowed in FS_MODULES_ALLOWED:
+        assert any(m == allowed or (allowed.endswith("/") and m.startswith(allowed)) for m in sources), allowed
+    for module, scope in FS_FUNCTIONS_ALLOWED:
+        calling = {s for s, _, _ in fs_calls(ast.parse(sources[module]))}
+        assert scope in calling, f"{module} {scope} is allowed but makes no filesystem call"
+
+
+def test_the_fs_guard_catches_each_way():
+    bad = '''
+import os, shutil, glob, pathlib
+def handler(root, name):
+    open(name)
+    os.open(name, os.O_RDONLY)
+    os.unlink(os.path.join(root, name))
+    os.path.isdir(name)
+    shutil.rmtree(name)
+    glob.glob(name + "/*")
+    pathlib.Path(root).joinpath(name).read_text()
+    pathlib.Path(name).unlink()
+    os.fstat(3)  # an fd: fine
+'''
+    offences = filesystem_offences({"jupyter_api/contents.py": bad})
+    kinds = [o.split(": ", 1)[1] for o in offences]
+    assert kinds == ["open", "os.open", "os.unlink", "os.path.isdir", "shutil.rmtree", "glob.glob",
+                     "pathlib .read_text()", "pathlib Path(...).unlink()"], offences
+    # The same line in an allowed function of an allowed module is not an offence; elsewhere it is.
+    assert not filesystem_offences({"state_files.py": bad})
+    assert filesystem_offences({"library.py": bad})

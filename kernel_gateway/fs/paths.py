@@ -712,6 +712,11 @@ def open_dir_at(dir_fd: int, name: str) -> int:
     return os.open(name, _SUBDIR, dir_fd=dir_fd)
 
 
+def open_file_at(dir_fd: int, name: str, flags: int = os.O_RDONLY) -> int:
+    """``openat`` of `name` in `dir_fd` itself: never through a symlink, never waiting on a FIFO."""
+    return os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
 def protected_at(dir_fd: int, name: str, protected) -> str | None:
     """``protected(physical path)`` of `name` in the directory actually open as `dir_fd`.
 
@@ -862,6 +867,7 @@ __all__ = [
     "rmdir_at",
     "rename_at",
     "open_dir_at",
+    "open_file_at",
     "protected_at",
     "open_nofollow",
     "write_atomically_at",

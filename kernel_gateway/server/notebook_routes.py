@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from .. import notebook_runs, variables
@@ -33,8 +32,9 @@ class NotebookBase(BaseHandler):
         return self.request.headers.get("If-Match")
 
     async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Store calls fsync and take a per-file lock that run-alls hold from threads: never on the loop."""
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        """Store calls fsync and take a per-file lock that run-alls hold from threads: never on the loop,
+        and within the agent's share of the workers."""
+        return await self.core.workers.run(self._agent, fn, *args, **kwargs)
 
     def reply(self, result: dict, status: int = 200) -> None:
         if "etag" in result:
@@ -123,6 +123,7 @@ class ExecuteCellHandler(RunBase):
                 code=body.get("code"),
                 save_outputs=body.get("save_outputs", True),
                 timeout=timeout,
+                off_loop=self.off_loop,
             )
         )
         if result is not None:
@@ -153,6 +154,7 @@ class RunAllHandler(RunBase):
                 restart if body.get("restart") else None,
                 save_outputs=body.get("save_outputs", False),
                 timeout=timeout,
+                off_loop=self.off_loop,
             )
         )
         if result is not None:

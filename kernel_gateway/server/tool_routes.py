@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -38,8 +37,8 @@ class FileHandler(BaseHandler):
         if path is None:
             raise bad_request("missing query parameter path", "GET .../files?path=user-files/data.csv")
         # Disk reads in the agent's tree stay off the event loop.
-        result = await asyncio.to_thread(
-            read_file.read_file,
+        result = await self.core.workers.run(
+            agent, read_file.read_file,
             self.core.agents.agent_root(agent),
             path,
             offset=self.query_int("offset", 1, minimum=1),

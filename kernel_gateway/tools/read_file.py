@@ -23,7 +23,7 @@ import os
 import stat
 
 from ..errors import GatewayError, bad_request, not_found
-from ..fs import PathOutsideRoot, open_in_root, read_at_most
+from ..fs import PathOutsideRoot, fd_path, open_in_root, read_at_most
 
 MAX_TEXT_BYTES = 10 << 20
 MAX_IMAGE_BYTES = 10 << 20
@@ -155,7 +155,7 @@ def read_file(
         size = info.st_size
         head = os.pread(fd, SNIFF_BYTES, 0)
         image_mime = _image_mime(head)
-        shown_path = os.path.realpath(f"/proc/self/fd/{fd}")
+        shown_path = fd_path(fd)  # the file actually opened
 
         if image_mime or raw or not _looks_like_text(head):
             mime = image_mime or _binary_mime(head, path)
