@@ -100,6 +100,9 @@ class CellRun:
     ignored: int = 0  # messages of the wrong shape
     reply: dict | None = None  # the execute_reply, when it was seen before the final "idle"
     _over_budget_error: dict | None = None
+    # Artifacts whose bytes were put back into their output (by id of the output): the text
+    # still names the file, as for every other cell, so an image reads the same however it ran.
+    _inlined: dict[int, tuple[dict, dict]] = field(default_factory=dict)
 
     def _fits(self, size: int) -> bool:
         """Take ``size`` bytes of the cell's budget, or count a dropped output."""
@@ -242,6 +245,7 @@ class CellRun:
         )
         if reason is None:
             self.kept += sum(len(v) for k, v in data.items() if k not in output["data"])
+            self._inlined[id(output)] = (output, output["data"][ARTIFACT_MIME])  # held: ids stay unique
         output["data"] = data
 
     def text(self) -> str:
@@ -252,8 +256,9 @@ class CellRun:
                 parts.append(output["text"])
             elif kind in ("execute_result", "display_data"):
                 data = output["data"]
-                if ARTIFACT_MIME in data:
-                    ref = data[ARTIFACT_MIME]
+                inlined = self._inlined.get(id(output))
+                ref = data.get(ARTIFACT_MIME) or (inlined[1] if inlined and inlined[0] is output else None)
+                if ref is not None:
                     why = f"; not inlined: {ref['not_inlined']}" if ref.get("not_inlined") else ""
                     parts.append(f"[{ref.get('mime')} saved to {ref.get('path')}{why}]\n")
                 elif "text/plain" in data:

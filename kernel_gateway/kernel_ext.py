@@ -9,14 +9,15 @@ keeps large payloads from ever crossing ZMQ:
   watcher feeds into the same ``OutStream.write``): the first half of the limit
   passes through live; after that only a rolling tail of half the limit stays
   in memory while the full text goes to ``cell-<n>-<stream>.txt``.  When the
-  cell ends, a marker ``[... N bytes cut: full output in <path> ...]`` and the
-  tail are emitted.  Output between cells (background threads) is closed at
+  cell ends, a marker ``[... N bytes cut: full output in <path> ...]``, the
+  tail and a one-line footer naming the file again are emitted (a reader of
+  only the end, ``| tail``, learns where the rest went).  Output between cells (background threads) is closed at
   the next cell's start; a forked child, which sees no cell end, says where
   its output went as soon as it cuts.
 * Rich results (display_data, execute_result): binary mimetypes are written
   to artifact files ``cell-<n>-<k>.<ext>`` and replaced by a reference under
   ``application/vnd.kernel-gateway.artifact+json``; text larger than the limit
-  is cut to head + marker + tail, the full text spilled to
+  is cut to head + marker + tail (+ the footer, for text/plain), the full text spilled to
   ``cell-<n>-out-<k>.<ext>``; JSON values and SVG larger than the limit become
   artifacts (cutting them would leave something that no longer parses).
 * The whole cell has a budget too, over every stream and result together
@@ -133,6 +134,12 @@ def char_start(data: bytes | bytearray, index: int) -> int:
 def cut_marker(cut_bytes: int, path: str | None) -> str:
     where = f"full output in {path}" if path else "full output could not be saved"
     return f"\n[... {cut_bytes} bytes cut: {where} ...]\n"
+
+
+def cut_footer(cut_bytes: int, total_bytes: int, path: str | None) -> str:
+    """The last line of a cut output: what is missing and where all of it is."""
+    where = f"full output in {path}" if path else "the full output could not be saved"
+    return f"[output cut: {cut_bytes} of {total_bytes} bytes not shown; {where}]\n"
 
 
 def output_dir() -> str:
@@ -330,7 +337,9 @@ class StreamBound:
         # The head goes out in its own message, so no message exceeds the limit.
         self.stream.flush()
         self.downstream(cut_marker(cut_bytes, self.spill_path))
-        self.downstream(tail.decode("utf-8", "replace"))
+        tail_text = tail.decode("utf-8", "replace")
+        self.downstream(tail_text + ("" if tail_text.endswith("\n") else "\n")
+                        + cut_footer(cut_bytes, self.total_bytes, self.spill_path))
         self.announce(
             {
                 "kind": "stream",
@@ -421,7 +430,10 @@ class ResultBound:
         self.announce(
             {"kind": "result", "name": mime, "cut_bytes": cut_bytes, "total_bytes": len(encoded), "path": path}
         )
-        return head.decode("utf-8", "replace") + cut_marker(cut_bytes, path) + tail.decode("utf-8", "replace")
+        text = head.decode("utf-8", "replace") + cut_marker(cut_bytes, path) + tail.decode("utf-8", "replace")
+        if mime == "text/plain":  # a footer in HTML or JSON text would change what it is
+            text += ("" if text.endswith("\n") else "\n") + cut_footer(cut_bytes, len(encoded), path).rstrip("\n")
+        return text
 
 
 def cell_output_limit(environ: dict[str, str], limit: int) -> int:

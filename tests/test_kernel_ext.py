@@ -130,17 +130,20 @@ def kernel(session_dir: Path) -> Iterator[Kernel]:
 
 
 def assert_stream_cut(cell: Cell, spill: Path, total: int) -> str:
-    """The client got head, marker and tail within the limit; the spill file has it all."""
+    """The client got head, marker, tail and a footer naming the file; the spill file has it all."""
     text = cell.stream()
     marker = f"\n[... {total - LIMIT} bytes cut: full output in {spill} ...]\n"
+    footer = f"[output cut: {total - LIMIT} of {total} bytes not shown; full output in {spill}]\n"
     assert marker in text
-    assert len(text.encode()) == LIMIT + len(marker)
+    assert text.endswith("\n" + footer)  # the last line says where the rest is, for a reader of the end only
+    ends_line = spill.read_bytes()[-1:] == b"\n"  # if not, a newline puts the footer on a line of its own
+    assert len(text.encode()) == LIMIT + len(marker) + len(footer) + (0 if ends_line else 1)
     assert cell.largest_message() <= LIMIT // 2 + MARKER_ALLOWANCE
     assert spill.stat().st_size == total
     assert cell.announcements() == [
         {"kind": "stream", "name": "stdout", "cut_bytes": total - LIMIT, "total_bytes": total, "path": str(spill)}
     ]
-    return text
+    return text[: len(text) - len(footer) - (0 if ends_line else 1)]  # head, marker and tail, as the callers check them
 
 
 def test_one_100mb_print_is_cut_at_the_source(kernel: Kernel, session_dir: Path) -> None:
@@ -251,7 +254,7 @@ def test_multibyte_text_is_never_split(kernel: Kernel, session_dir: Path) -> Non
     text = cell.stream()
     head, _, tail = text.partition("\n[... ")
     assert set(head) <= set("é€😀") and head
-    assert set(tail.split("...]\n", 1)[1]) <= set("é€😀\n")
+    assert set(tail.split("...]\n", 1)[1].split("\n[output cut: ")[0]) <= set("é€😀\n")
     spill = Path(cell.announcements()[0]["path"])
     assert spill.read_text(encoding="utf-8") == "é€😀" * 100_000 + "\n"
 
@@ -269,7 +272,8 @@ def test_a_spill_file_that_cannot_grow_is_dropped_not_promised(kernel: Kernel, s
 
     assert cell.reply["status"] == "ok"
     text = cell.stream()
-    assert text == "f" * (LIMIT // 2) + f"\n[... {1_000_001 - LIMIT} bytes cut: full output could not be saved ...]\n" + "f" * (LIMIT // 2 - 1) + "\n"
+    assert text == "f" * (LIMIT // 2) + f"\n[... {1_000_001 - LIMIT} bytes cut: full output could not be saved ...]\n" + "f" * (LIMIT // 2 - 1) + "\n" + (
+        f"[output cut: {1_000_001 - LIMIT} of 1000001 bytes not shown; the full output could not be saved]\n")
     assert cell.announcements()[0]["path"] is None
     assert not (session_dir / "outputs" / f"cell-{cell.count}-stdout.txt").exists()
 
@@ -281,7 +285,8 @@ def test_huge_execute_result_is_cut_and_spilled(kernel: Kernel, session_dir: Pat
     text = result["data"]["text/plain"]
     spill = session_dir / "outputs" / f"cell-{cell.count}-out-1.txt"
     total = 10_000_002  # the repr has quotes
-    assert text == "'" + "y" * (LIMIT // 2 - 1) + f"\n[... {total - LIMIT} bytes cut: full output in {spill} ...]\n" + "y" * (LIMIT // 2 - 1) + "'"
+    assert text == "'" + "y" * (LIMIT // 2 - 1) + f"\n[... {total - LIMIT} bytes cut: full output in {spill} ...]\n" + "y" * (LIMIT // 2 - 1) + "'" + (
+        f"\n[output cut: {total - LIMIT} of {total} bytes not shown; full output in {spill}]")
     assert spill.read_text() == "'" + "y" * 10_000_000 + "'"
     assert cell.announcements() == [
         {"kind": "result", "name": "text/plain", "cut_bytes": total - LIMIT, "total_bytes": total, "path": str(spill)}
@@ -402,7 +407,9 @@ def test_bad_settings_leave_a_working_kernel(tmp_path: Path) -> None:
     assert cell.reply["status"] == "ok"
     text = cell.stream()
     assert text.startswith("q" * 32768 + f"\n[... {1_000_001 - 65536} bytes cut: full output could not be saved ...]\n")
-    assert len(text.encode()) == 65536 + len("\n[... 934465 bytes cut: full output could not be saved ...]\n")
+    assert text.endswith("\n[output cut: 934465 of 1000001 bytes not shown; the full output could not be saved]\n")
+    assert len(text.encode()) == 65536 + len("\n[... 934465 bytes cut: full output could not be saved ...]\n") + len(
+        "[output cut: 934465 of 1000001 bytes not shown; the full output could not be saved]\n")
     assert cell.announcements()[0]["path"] is None
     assert after.stream() == "still here\n"
     assert set(tmp_path.iterdir()) == {not_a_dir, stderr_path}
