@@ -251,7 +251,16 @@ def test_a_dead_socket_file_exits_3(jlk, tmp_path):
     [
         ((), "usage: jlk [options] COMMAND"),
         (("frobnicate",), "jlk: unknown command 'frobnicate'; commands: execute, contents"),
-        (("execute", "--code", "1", "--bogus"), "jlk: `jlk execute` has no option --bogus"),
+        (("execute", "--code", "1", "--bogus"), "jlk: `jlk execute` has no option --bogus (see"),
+        (("execute", "--code", "1", "--timout", "3"),
+         "jlk: `jlk execute` has no option --timout (did you mean --timeout?)"),
+        (("edit", "--path", NOTEBOOK, "insert", "--at", "0", "--source", "1"), "has no option --at (see"),
+        (("edit", "--path", NOTEBOOK, "insert", "--indx", "0", "--source", "1"),
+         "`jlk edit insert` has no option --indx (did you mean --index?)"),
+        (("edit", "--path", NOTEBOOK, "move", "--cell-id", "a", "--to-idx", "0"), "(did you mean --to-index?)"),
+        (("exectue", "--code", "1"), "jlk: unknown command 'exectue' (did you mean execute?)"),
+        (("variables", "lst"), "unknown action 'lst' for `jlk variables` (did you mean list?)"),
+        (("execute", "-code", "1"), "jlk: unknown option -code (did you mean --code?)"),
         (("execute", "--code"), "jlk: --code needs a value (CODE)"),
         (("execute", "--code", "1", "--timeout", "soon"), "jlk: --timeout needs a number, got 'soon'"),
         (("execute", "--code", "1", "--timeout", "0"), "--timeout must be a positive number of seconds"),
@@ -296,7 +305,7 @@ def test_a_dead_socket_file_exits_3(jlk, tmp_path):
 def test_usage_errors_exit_2_with_a_clear_message_and_change_nothing(jlk, args, message):
     before = session_json(jlk, "usage")
     result = jlk("--session", "usage", *args)
-    assert result.returncode == 2
+    assert result.returncode == (255 if args[:1] == ("sh",) else 2)  # `jlk sh` keeps 0-254 for the command
     assert message in result.stderr
     assert result.stdout == ""
     assert session_json(jlk, "usage") == before  # no session was created or run
@@ -397,6 +406,18 @@ def test_notebook_loop_contents_edit_execute_and_clear(jlk, notebook):
     assert (cleared.returncode, cleared.stdout) == (0, f"cleared the outputs of every cell in {NOTEBOOK}\n")
     assert all(c.outputs == [] and c.execution_count is None
                for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code")
+
+
+def test_insert_takes_index_like_every_other_action_and_at_index_still_works(jlk, notebook):
+    first = jlk("edit", "--path", NOTEBOOK, "insert", "--index", "0", "--source", "'first'")
+    assert first.returncode == 0, first.stderr
+    old_spelling = jlk("edit", "--path", NOTEBOOK, "insert", "--at-index", "1", "--source", "'second'")
+    assert old_spelling.returncode == 0, old_spelling.stderr
+    assert [source for _, source in cell_sources(notebook)][:3] == ["'first'", "'second'", "# Analysis"]
+    page = jlk("edit", "insert", "--help").stdout
+    assert "--index N" in page and "--at-index" in page  # the old spelling is named where it is explained
+    both = jlk("edit", "--path", NOTEBOOK, "insert", "--index", "0", "--at-index", "1", "--source", "x")
+    assert both.returncode == 2 and "--index given twice" in both.stderr
 
 
 def test_notebook_refusals_exit_2_and_leave_the_file_alone(jlk, notebook):
@@ -521,8 +542,10 @@ def test_sh_runs_where_the_sessions_kernel_runs_and_names_the_session(jlk, gatew
 
 
 def test_sh_exit_codes_argv_stdin_and_cwd(jlk, tmp_path):
-    failed = jlk("sh", "echo out; echo err >&2; exit 3")
-    assert (failed.returncode, failed.stdout, failed.stderr) == (1, "out\n", "err\n[exit code 3]\n")
+    failed = jlk("sh", "echo out; echo err >&2; exit 3")  # the command's own code, as ssh gives it
+    assert (failed.returncode, failed.stdout, failed.stderr) == (3, "out\n", "err\n[exit code 3]\n")
+    killed = jlk("sh", "kill -9 $$")
+    assert (killed.returncode, killed.stderr) == (128 + 9, "[killed by SIGKILL]\n")
 
     argv = jlk("sh", "--", "printf", "%s|", "a b", "$HOME")
     assert (argv.returncode, argv.stdout) == (0, "a b|$HOME|")  # no shell: nothing expanded
@@ -540,11 +563,31 @@ def test_sh_exit_codes_argv_stdin_and_cwd(jlk, tmp_path):
     assert slow.stderr.endswith("[timeout: the command was killed after 1 s]\n")
 
     as_json = jlk("sh", "--json", "exit 5")
-    assert as_json.returncode == 1 and json.loads(as_json.stdout)["exit_code"] == 5
+    assert as_json.returncode == 5 and json.loads(as_json.stdout)["exit_code"] == 5
 
+    # jlk's own failures under `jlk sh` exit 255 (ssh's code), never a code the command could mean.
     outside = jlk("sh", "--cwd", "/etc", "pwd")
-    assert outside.returncode == 2 and "outside" in outside.stderr
+    assert outside.returncode == 255 and "outside" in outside.stderr
     assert "hint: use a path inside your agent root" in outside.stderr
+    assert jlk("sh", "--bogus", "true").returncode == 255
+    assert jlk("sh", "--timeout").returncode == 255
+    unreachable = jlk("sh", "exit 3", KERNEL_GATEWAY_CONTROL_SOCKET=str(tmp_path / "none.sock"))
+    assert unreachable.returncode == 255 and "cannot reach the kernel gateway" in unreachable.stderr
+    assert "jlk sh" in jlk("--help").stdout.split("exit codes:")[1] and "255" in jlk("--help").stdout
+
+
+def test_sh_passes_piped_stdin_through_as_ssh_does(jlk, tmp_path):
+    piped = jlk("sh", "wc -l", input="a\nb\n")
+    assert (piped.returncode, piped.stdout.strip()) == (0, "2")
+    exact = jlk("sh", "--", "od", "-An", "-c", input="x\r\ny")  # bytes as they are: no newline translation
+    assert exact.stdout.split() == ["x", "\\r", "\\n", "y"]
+    assert jlk("sh", "--no-stdin", "wc -l", input="a\nb\n").stdout.strip() == "0"
+    assert jlk("sh", "--stdin", "-", "wc -l", input="a\nb\nc\n").stdout.strip() == "3"
+    both = jlk("sh", "--stdin", "-", "--no-stdin", "true")
+    assert both.returncode == 255 and "give --stdin FILE or --no-stdin, not both" in both.stderr
+    binary = subprocess.run([sys.executable, JLK, "sh", "cat"], input=b"\xff\xfe", capture_output=True,
+                            env=clean_env(KERNEL_GATEWAY_CONTROL_SOCKET=piped.socket, KERNEL_GATEWAY_AGENT=AGENT))
+    assert binary.returncode == 255 and b"not UTF-8 text" in binary.stderr
 
 
 def test_read_prints_lines_and_says_where_more_follow(jlk, gateway):
@@ -580,7 +623,8 @@ def test_patch_from_stdin_or_a_file_and_a_failed_patch_exits_1_with_codex_text(j
     failed = jlk("patch", input=bad)
     assert failed.returncode == 1 and failed.stdout == ""
     assert failed.stderr.startswith(f"Failed to find expected lines in {target}:\nthree\n")
-    assert "hint: read the file again (`jlk read --path FILE`)" in failed.stderr
+    assert "hint: nothing was changed; the file is not what the patch expects: read it again (`jlk read --path FILE`)" \
+        in failed.stderr
     assert target.read_text() == "one\nTWO\n"
 
     as_json = jlk("patch", "--json", input=bad)
@@ -623,14 +667,87 @@ def test_hints_are_jlk_commands_not_http_routes(jlk):
     assert "/v1/" not in jlk("--session", "never-started", "interrupt").stderr
 
 
+def test_patch_hints_fit_the_failure(jlk, gateway):
+    files = agent_root(gateway) / "user-files"
+    files.mkdir(exist_ok=True)
+    (files / "hinted.md").write_text("one\n")
+
+    def hint(patch):
+        done = jlk("patch", input=patch)
+        assert done.returncode == 1 and done.stdout == "", done.stderr
+        return done.stderr.splitlines()[-1]
+
+    begin, end = "*** Begin Patch\n", "*** End Patch\n"
+    outside = hint(f"{begin}*** Update File: /etc/hostname\n@@\n-a\n+b\n{end}")
+    assert outside.startswith("hint: nothing was changed; patch paths are relative to the agent root")
+    missing = hint(f"{begin}*** Update File: hinted-not-here.md\n@@\n-a\n+b\n{end}")
+    assert missing.startswith("hint: nothing was changed; no such file: paths are relative to the agent root")
+    assert "user-files/" in missing and "*** Add File:" in missing
+    stale = hint(f"{begin}*** Update File: user-files/hinted.md\n@@\n-two\n+2\n{end}")
+    assert stale.startswith("hint: nothing was changed; the file is not what the patch expects: read it again "
+                            "(`jlk read --path FILE`)")
+    malformed = hint("*** Update File: user-files/hinted.md\n")
+    assert malformed.startswith("hint: nothing was changed; a patch is *** Begin Patch, then")
+    partly = hint(f"{begin}*** Add File: user-files/hinted-new.md\n+x\n*** Update File: user-files/hinted.md\n"
+                  f"@@\n-two\n+2\n{end}")
+    assert partly.startswith("hint: the hunks before the failing one were applied; the file is not what")
+    assert (files / "hinted.md").read_text() == "one\n"
+
+
+def test_read_and_other_refusals_hint_jlk_commands(jlk, gateway):
+    (agent_root(gateway) / "user-files").mkdir(exist_ok=True)
+    for args, expected in (
+        (("read", "--path", "user-files"), "hint: list it with `jlk sh 'ls $KERNEL_GATEWAY_AGENT_ROOT/user-files'`"),
+        (("read", "--path", "no-such-file.txt"), "hint: paths are relative to the agent root, e.g. user-files/"),
+    ):
+        done = jlk(*args)
+        assert done.returncode == 2
+        hints = [line for line in done.stderr.splitlines() if line.startswith("hint: ")]
+        assert hints and hints[0].startswith(expected), done.stderr
+        for http in ("GET ", "POST ", ".../", "/v1/", "the command tool", "raw=true"):
+            assert http not in done.stderr, done.stderr
+
+
+def test_the_last_line_of_a_cut_output_names_the_file_with_all_of_it(jlk):
+    ran = jlk("--session", "big", "execute", "--code", "for i in range(200000): print(i)")
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0] == "0" and "199999" in lines
+    last = lines[-1]
+    assert last.startswith("[output cut: ") and " bytes not shown; full output in " in last, last
+    spill = Path(last.split(" full output in ", 1)[1].rstrip("]"))
+    assert spill.read_text() == "".join(f"{i}\n" for i in range(200000))
+    assert len(ran.stdout.encode()) < 40 << 10  # the agent's default budget: 32 KiB kept, head and tail
+    # stderr after a cut stdout: jlk's own last line still names the file.
+    mixed = jlk("--session", "big", "execute", "--code",
+                "import sys\nfor i in range(100000): print(i)\nprint('late', file=sys.stderr)")
+    assert mixed.stdout.splitlines()[-1].startswith("[output cut; the full output is in "), mixed.stdout[-300:]
+
+
+def test_execute_and_run_all_print_a_figure_the_same_way(jlk, gateway):
+    code = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
+    path = "user-files/same-figure.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(code, id="plot")]
+    nbformat.write(nb, agent_root(gateway) / path)
+    executed = jlk("--session", "figure", "execute", "--code", code)
+    ran = jlk("--session", "figure", "run-all", "--path", path)
+    assert executed.returncode == 0 and ran.returncode == 0, executed.stderr + ran.stderr
+    import re
+    masked = lambda text: re.sub(r"saved to \S+\.png", "saved to FILE.png", text)  # noqa: E731
+    assert masked(executed.stdout) == "[image/png saved to FILE.png]\n"
+    assert masked(ran.stdout).splitlines()[1:-1] == ["    [image/png saved to FILE.png]"]
+
+
 def test_output_closed_early_exits_141_without_a_traceback(gateway):
     env = clean_env(KERNEL_GATEWAY_CONTROL_SOCKET=gateway.socket, KERNEL_GATEWAY_AGENT=AGENT)
     # `jlk ... | head -1`: the reader takes one line and goes away.  The text jlk prints
-    # (a bounded stream and a bounded result) is well over a pipe's 64 KiB, so jlk is
+    # (two bounded streams and a bounded result) is well over a pipe's 64 KiB, so jlk is
     # still writing when the reader leaves.
     pipeline = subprocess.run(
         ["bash", "-c", f'set -o pipefail; "{sys.executable}" "{JLK}" --session pipe execute '
-                       "--code 'for i in range(200000): print(i)\n\"y\" * 200000' | head -1"],
+                       "--code 'import sys\nfor i in range(200000): print(i)\nsys.stderr.write(\"x\" * 200000)\n"
+                       "\"y\" * 200000' | head -1"],
         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120,
     )
     assert pipeline.stdout == "0\n"

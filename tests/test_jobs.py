@@ -470,6 +470,53 @@ def test_jlk_job_run_wait_patch_apply_and_exit_codes(gw, tmp_path):
     assert jlk(gw, "job", "wait", started_id).returncode == 6
 
 
+def test_jlk_a_failed_job_says_it_failed_and_what_to_look_at_first(gw):
+    rel, _repo = make_repo(gw, files={"calc.py": "def add(a, b):\n    return a - b\n"})
+    failed = jlk(gw, "job", "run", "--from", rel, "--wait", "--command",
+                 "sed -i 's/a - b/a * b/' calc.py; echo 'AssertionError: add(2, 3) is 6' >&2; exit 7")
+    assert failed.returncode == 1
+    lines = failed.stdout.splitlines()
+    job_id = lines[0].split()[1]
+    assert "    AssertionError: add(2, 3) is 6" in lines  # its stderr, shown
+    assert f"review: jlk job patch {job_id}; then: jlk job apply {job_id}" not in lines  # as after a success
+    advice = lines[lines.index("the job failed: its command exited 7."):]
+    assert advice[1] == (f"look first at its stderr above; all of it: `jlk read --path jobs/{job_id}/stderr.log` "
+                         f"(and jobs/{job_id}/stdout.log)")
+    assert advice[2].startswith(f"its patch is partial, what it changed before it ended: `jlk job patch {job_id}`")
+    # The log it names is there for `jlk read`.
+    log = jlk(gw, "read", "--path", f"jobs/{job_id}/stderr.log")
+    assert (log.returncode, log.stdout) == (0, "AssertionError: add(2, 3) is 6\n")
+
+    silent = jlk(gw, "job", "run", "--from", rel, "--wait", "--command", "exit 3")
+    assert silent.returncode == 1
+    assert silent.stdout.splitlines()[-2:] == [
+        f"it printed nothing; its logs: `jlk read --path jobs/{silent.stdout.split()[1]}/stderr.log` "
+        f"(and jobs/{silent.stdout.split()[1]}/stdout.log)",
+        "fix the cause and run it again: `jlk job run --from DIR ...`",
+    ]
+
+
+def test_jlk_job_refusals_speak_of_options_not_http(gw):
+    rel, _repo = make_repo(gw, files={"a.txt": "a\n"})
+    for args, hint in (
+        (["job", "show", "0123456789ab"], "`jlk job list` lists your jobs"),
+        (["job", "apply", "nothex"], "`jlk job list` lists your jobs"),
+        (["job", "run", "--from", "user-files/none", "--command", "true"], "--from names a directory"),
+    ):
+        done = jlk(gw, *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert f"hint: " in done.stderr and hint in done.stderr, (args, done.stderr)
+        for http in ("GET ", "POST ", ".../", "/v1/", "'from'"):
+            assert http not in done.stderr, (args, done.stderr)
+    started = jlk(gw, "job", "run", "--from", rel, "--command", "sleep 31347")
+    started_id = started.stdout.split()[1]
+    try:
+        early = jlk(gw, "job", "apply", started_id)
+        assert early.returncode == 2 and "hint: wait until it ends: `jlk job wait ID`" in early.stderr
+    finally:
+        assert jlk(gw, "job", "cancel", started_id).returncode == 0
+
+
 def test_jlk_job_bad_usage(gw):
     for args, message in ((["job", "show"], "needs the job's id"),
                           (["job", "run", "--from", "user-files"], "--command LINE"),
