@@ -24,13 +24,18 @@ checkout-like directory (``/tmp/kgd``) whose ``.venv/bin/jlk`` is this
 checkout's ``jlk`` (one standard-library file, the same one an install copies);
 SKILL.md examples are run as an agent runs them in its sandbox: ``jlk`` on
 ``PATH`` and the agent socket in ``$KERNEL_GATEWAY_SOCKET``.
+
+The gateway is ``kernel-gateway serve --demo``, and its agent ``demo`` is
+given nothing beyond what ``--demo`` gives it: SKILL.md's examples make the
+files they use, so every one of them runs, in order, as written, for any
+agent.  Only a job id cannot be written in advance: a command shows it as
+``<job-1>`` (the first job the examples started), and it is run with the id.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -41,7 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from support import GatewayProcess  # noqa: E402  (the tests' real gateway process)
+from support import GatewayProcess, wait_until  # noqa: E402  (the tests' real gateway process)
 
 JLK = REPO / "skills" / "jupyter-live-kernel" / "scripts" / "jlk"
 FILES = {"README.md": REPO / "README.md", "SKILL.md": REPO / "skills" / "jupyter-live-kernel" / "SKILL.md"}
@@ -57,7 +62,7 @@ REGENERATE = ".venv/bin/python scripts/gen_docs.py"
 class Step:
     """One command as printed; ``head``/``tail`` keep that many output lines around a `...`."""
 
-    command: str
+    command: str  # `<job-N>` stands for the id of the N-th job the examples started
     head: int | None = None
     tail: int = 0
     expect: int = 0  # its exit code; anything else fails the generation
@@ -80,6 +85,7 @@ class Run:
     gateway: GatewayProcess | None = None
     env: dict = field(default_factory=dict)
     cell_ids: dict = field(default_factory=dict)  # random cell id -> its stable stand-in
+    job_ids: dict = field(default_factory=dict)  # random job id -> its stable stand-in
 
 
 def readme_blocks() -> dict[str, Block]:
@@ -103,12 +109,51 @@ def readme_blocks() -> dict[str, Block]:
     }
 
 
+MAKE_WEATHER = (
+    """jlk execute --code $'import os, numpy as np, pandas as pd\\n"""
+    """rng = np.random.default_rng(7)\\n"""
+    """df = pd.DataFrame({"city": rng.choice(["Lima", "Oslo", "Pune"], 200),\\n"""
+    """                   "temp": rng.uniform(2, 28, 200).round(1), "rain_mm": rng.uniform(0, 12, 200).round(1)})\\n"""
+    """df.to_csv(os.environ["KERNEL_GATEWAY_AGENT_ROOT"] + "/user-files/weather.csv", index=False)\\n"""
+    """print(df.shape)\\ndf.head(3)'"""
+)
+
+ADD_NOTES = """jlk patch <<'EOF'
+*** Begin Patch
+*** Add File: user-files/notes.md
++# Notes
++rain is measured in inches
+*** End Patch
+EOF"""
+
+FIX_NOTES = """jlk patch <<'EOF'
+*** Begin Patch
+*** Update File: user-files/notes.md
+@@
+ # Notes
+-rain is measured in inches
++rain is measured in mm
+*** End Patch
+EOF"""
+
+# Made with `jlk sh`, so they are the agent's own files, as a job's apply needs.
+WRITE_CALC = """jlk sh --cwd user-files/calc 'cat > calc.py' <<'EOF'
+def add(a, b):
+    return a - b
+EOF"""
+
+WRITE_TEST = """jlk sh --cwd user-files/calc 'cat > test_calc.py' <<'EOF'
+from calc import add
+assert add(2, 3) == 5, f"add(2, 3) is {add(2, 3)}"
+print("ok")
+EOF"""
+
+
 def skill_blocks() -> dict[str, Block]:
+    """SKILL.md's examples, in the order the file shows them (each may use what the ones before made)."""
     return {
         "skill-core-loop": Block("SKILL.md", [
-            Step("""jlk execute --code $'import os, pandas as pd\\n"""
-                 """df = pd.read_csv(os.environ["KERNEL_GATEWAY_AGENT_ROOT"] + "/user-files/weather.csv")\\n"""
-                 """print(df.shape)\\ndf.head(3)'"""),
+            Step(MAKE_WEATHER),
             Step("""jlk execute --code 'df.groupby("city")["temp"].mean().round(2)'"""),
         ]),
         "skill-variables": Block("SKILL.md", [
@@ -120,10 +165,12 @@ def skill_blocks() -> dict[str, Block]:
             Step("""jlk execute --code 'df.groupby("city")["temp"].mean(.round(2)'""", expect=1),
         ]),
         "skill-files": Block("SKILL.md", [
+            Step(ADD_NOTES),
             Step("jlk sh 'pwd; ls $KERNEL_GATEWAY_AGENT_ROOT/user-files'"),
             Step("jlk read --path user-files/weather.csv --limit 3"),
-            Step("jlk sh 'grep -c Oslo $KERNEL_GATEWAY_AGENT_ROOT/user-files/weather.csv; exit 3'", expect=1),
-            Step("jlk patch < fix-notes.patch"),
+            Step("jlk sh 'grep -c Oslo $KERNEL_GATEWAY_AGENT_ROOT/user-files/weather.csv; exit 3'; echo exit=$?"),
+            Step("""printf 'Oslo\\nLima\\nOslo\\n' | jlk sh 'sort | uniq -c'"""),
+            Step(FIX_NOTES),
         ]),
         "skill-notebooks": Block("SKILL.md", [
             Step("jlk new --path user-files/weather.ipynb"),
@@ -155,11 +202,21 @@ def skill_blocks() -> dict[str, Block]:
         "skill-timeout": Block("SKILL.md", [
             Step("jlk execute --timeout 2 --code $'import time\\ntime.sleep(60)'", expect=124),
         ]),
-        # Last: it turns the live kernel off for the agent.
+        "skill-skills": Block("SKILL.md", [
+            Step("jlk skills"),
+        ]),
+        # It turns the live kernel off for the agent: every kernel example comes before it.
         "skill-disabled": Block("SKILL.md", [
             Step("jlk execute --code 1; echo exit=$?"),
         ], setup=["""curl -s --unix-socket var/state/control.sock -X PATCH """
                   """http://kg/v1/agents/demo/skills/jupyter-live-kernel -d '{"enabled": false}'"""]),
+        "skill-jobs": Block("SKILL.md", [
+            Step("jlk sh --cwd user-files 'mkdir calc'"),
+            Step(WRITE_CALC),
+            Step(WRITE_TEST),
+            Step("""jlk job run --from user-files/calc --command 'sed -i "s/a - b/a + b/" calc.py && python3 test_calc.py' --wait"""),
+            Step("jlk job apply <job-1>"),
+        ]),
     }
 
 
@@ -167,52 +224,23 @@ def all_blocks() -> dict[str, Block]:
     return {**readme_blocks(), **skill_blocks()}
 
 
-# --- the fixtures the examples use ----------------------------------------------------------
-
-
-def weather_csv() -> str:
-    """200 rows of made-up weather, the same on every run."""
-    rng = random.Random(7)
-    rows = ["city,temp,rain_mm"]
-    for _ in range(200):
-        rows.append(f"{rng.choice(['Lima', 'Oslo', 'Pune'])},{rng.uniform(2, 28):.1f},{rng.uniform(0, 12):.1f}")
-    return "\n".join(rows) + "\n"
-
-
-FIX_NOTES_PATCH = """\
-*** Begin Patch
-*** Update File: user-files/notes.md
-@@
- # Notes
--rain is measured in inches
-+rain is measured in mm
-*** End Patch
-"""
-
-
-def set_up_agent(root: Path) -> None:
-    files = root / "user-files"
-    (files / "weather.csv").write_text(weather_csv())
-    (files / "notes.md").write_text("# Notes\nrain is measured in inches\n")
-
-
 # --- running --------------------------------------------------------------------------
 
 
 def start(base: Path) -> Run:
-    """A gateway with its tree in ``base/var`` (the embedded defaults' layout), and the agent ``demo``."""
+    """``kernel-gateway serve --demo`` with its tree in ``base/var`` (the embedded defaults' layout)."""
     run = Run(base)
     (base / ".venv" / "bin").mkdir(parents=True)
     os.symlink(JLK, base / ".venv" / "bin" / "jlk")
     (base / "var").mkdir()
-    run.gateway = GatewayProcess(base / "var", "--Gateway.spare_kernels=False").start()
+    run.gateway = GatewayProcess(base / "var", "--demo", "--Gateway.spare_kernels=False").start()
     run.env = {"PATH": f"{base / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
                "HOME": str(base)}
-    # The agent of the SKILL examples, with its files.
-    shell(run, "curl -s --unix-socket var/state/control.sock -X PUT http://kg/v1/agents/demo", base, run.env)
-    set_up_agent(base / "var" / "agents" / "demo")
+    # --demo makes the agent as the gateway starts; its socket is bound once it is registered.
+    demo_socket = base / "var" / "state" / "agents" / "demo.sock"
+    if not wait_until(demo_socket.exists, timeout=60):
+        raise RuntimeError("serve --demo made no agent 'demo'")
     (base / "work").mkdir()
-    (base / "work" / "fix-notes.patch").write_text(FIX_NOTES_PATCH)
     return run
 
 
@@ -238,6 +266,7 @@ def agent_env(run: Run, block: Block) -> dict:
 # --- masking ----------------------------------------------------------------------------
 
 
+SHA256 = re.compile(r"\bsha256 [0-9a-f]{64}\b")
 UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
 ISO_TIME = re.compile(r"\b\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:?\d\d)?\b")
 JSON_NUMBER = re.compile(r'"([A-Za-z_]+)": (-?\d+(?:\.\d+)?)')
@@ -245,6 +274,8 @@ SITE_PACKAGES = re.compile(r"\S*/lib/python3\.\d+/site-packages/")
 
 
 NEW_CELL = re.compile(r"inserted \w+ cell ([0-9a-f]{8}) at index")
+NEW_JOB = re.compile(r"^job ([0-9a-f]{12}) ", re.M)
+JOB_PLACEHOLDER = re.compile(r"<job-(\d+)>")
 
 
 def mask(text: str, run: Run) -> str:
@@ -254,8 +285,13 @@ def mask(text: str, run: Run) -> str:
         run.cell_ids.setdefault(cell_id, f"<id-{len(run.cell_ids) + 1}>")
     for cell_id, shown in run.cell_ids.items():
         text = text.replace(cell_id, shown)
+    for job_id in NEW_JOB.findall(text):
+        run.job_ids.setdefault(job_id, f"<job-{len(run.job_ids) + 1}>")
+    for job_id, shown in run.job_ids.items():
+        text = text.replace(job_id, shown)
     text = SITE_PACKAGES.sub("<venv>/site-packages/", text)
     text = UUID.sub("<uuid>", text)
+    text = SHA256.sub("sha256 <sha256>", text)  # a job's patch carries its files' times
     text = ISO_TIME.sub("<time>", text)
 
     def number(match: re.Match) -> str:
@@ -289,10 +325,12 @@ def render(name: str, block: Block, run: Run) -> str:
             raise RuntimeError(f"block {name}: setup `{command}` exited {code}:\n{output}")
     parts = []
     for step in block.steps:
+        ids = {shown: job_id for job_id, shown in run.job_ids.items()}
+        command = JOB_PLACEHOLDER.sub(lambda m: ids.get(m.group(0), m.group(0)), step.command)
         if block.file == "README.md":
-            code, output = shell(run, step.command, run.base, run.env)
+            code, output = shell(run, command, run.base, run.env)
         else:
-            code, output = shell(run, step.command, run.base / "work", agent_env(run, block))
+            code, output = shell(run, command, run.base / "work", agent_env(run, block))
         if code != step.expect:
             raise RuntimeError(f"block {name}: `{step.command}` exited {code}, expected {step.expect}:\n{output}")
         shown = shorten(mask(output, run), step)

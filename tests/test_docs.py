@@ -91,3 +91,20 @@ def test_every_example_in_jlk_help_works_as_written(docs_gateway):
         code, output = gen_docs.shell(run, line, run.base / "work", gen_docs.agent_env(run, block))
         assert code == 0, f"`{line}` exited {code}:\n{output}"
     assert (root / "user-files" / "hello.txt").read_text() == "hello\n"
+
+
+def test_every_example_in_skill_md_is_generated_in_the_order_it_is_shown():
+    """SKILL.md's examples are run, in order, against ``serve --demo``: none is only typed in."""
+    text = gen_docs.FILES["SKILL.md"].read_text()
+    outside = gen_docs.MARKER.sub("", text)
+    assert "\n$ " not in outside and "```console" not in outside, "an example in SKILL.md that no run produced"
+    shown = [m.group(1) for m in gen_docs.MARKER.finditer(text)]
+    assert shown == list(gen_docs.skill_blocks()), "generate SKILL.md's blocks in the order the file shows them"
+
+
+def test_skill_md_examples_run_against_serve_demo_with_nothing_seeded():
+    import inspect
+    source = inspect.getsource(gen_docs.start)
+    assert '"--demo"' in source
+    # The examples make their own data: the demo agent's user-files starts empty.
+    assert "write_text" not in source and "user-files" not in source
