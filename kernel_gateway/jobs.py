@@ -330,14 +330,39 @@ class JobManager:
             codex_runner.find_codex(self.settings.codex_command)
         limits = narrow_limits(self.base_profile(agent, kind).get("limits", {}), body.get("limits", {}))
         env = _env(body)
-        self._seq += 1
-        job = Job(id=secrets.token_hex(6), agent=agent, kind=kind, source=source, seq=self._seq,
+        job = Job(id=secrets.token_hex(6), agent=agent, kind=kind, source=source, seq=self._seq + 1,
                   created=time.time(), command=command, objective=objective, limits=limits, env=env)
+        self._check_share(job)
+        self._seq += 1
         self.jobs[job.id] = job
         self._ended[job.id] = asyncio.Event()
         self.store.save(job)
         self._schedule()
         return self.render(job)
+
+    def _check_share(self, job: Job) -> None:
+        """A new job fits its agent's share of the queue and of the stored records, and its record its size."""
+        s = self.settings
+        env_size = sum(len(name.encode()) + len(value.encode("utf-8", "surrogatepass")) for name, value in job.env.items())
+        if env_size > s.max_job_env_size:
+            raise GatewayError(413, "env_too_large", f"'env' is {env_size} bytes; the limit is {s.max_job_env_size}",
+                               "put big values in a file under 'from'; raise --Gateway.max_job_env_size")
+        size = len(json.dumps(asdict(job)))
+        if size > s.max_job_record_size:
+            raise GatewayError(413, "job_too_large", f"the job's record would be {size} bytes; the limit is "
+                               f"{s.max_job_record_size}", "put long text in a file under 'from'; raise "
+                               "--Gateway.max_job_record_size")
+        mine = [j for j in self.jobs.values() if j.agent == job.agent]
+        queued = sum(1 for j in mine if j.state == "queued")
+        if queued >= s.max_queued_jobs_per_agent:
+            raise GatewayError(429, "too_many_jobs", f"agent {job.agent!r} already has {queued} jobs waiting",
+                               "wait for them, or cancel some; raise --Gateway.max_queued_jobs_per_agent")
+        if sum(1 for j in self.jobs.values() if j.state == "queued") >= s.max_queued_jobs_total:
+            raise GatewayError(429, "too_many_jobs", f"the gateway already has {s.max_queued_jobs_total} jobs "
+                               "waiting", "try again later; raise --Gateway.max_queued_jobs_total")
+        if len(mine) >= s.max_jobs_per_agent:
+            raise GatewayError(429, "too_many_jobs", f"agent {job.agent!r} keeps {len(mine)} job records",
+                               "delete ended jobs: DELETE .../jobs/{id}; raise --Gateway.max_jobs_per_agent")
 
     def list(self, agent: str) -> list[dict]:
         mine = [j for j in self.jobs.values() if j.agent == agent]

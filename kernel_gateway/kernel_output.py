@@ -8,6 +8,13 @@ what it reads to the agent's kernel log, each line cut at :data:`LINE_MAX`
 bytes and at most :data:`LOG_MAX` bytes per kernel.  What is past those
 bounds is read and dropped, so a kernel that floods its stderr costs the
 gateway CPU time but neither memory nor disk.
+
+An agent's kernels share one log file, and restarting a kernel is free: so
+the file itself is capped (``--Gateway.kernel_log_max_bytes``).  A write that
+would take it past its cap first renames it to ``.1`` (replacing the older
+one) and starts a new file; every kernel of the agent writes to whichever file
+is at the path now.  An agent's kernel log never takes more than about twice
+its cap, however many kernels or restarts.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ READ_CHUNK = 1 << 16
 class KernelOutput:
     """One pipe: ``write_fd`` goes to the kernel as fds 1 and 2, the gateway reads the rest."""
 
-    def __init__(self, log_path: str):
+    def __init__(self, log_path: str, log_max_bytes: int = 4 << 20):
         self.read_fd, self.write_fd = os.pipe2(os.O_CLOEXEC)
         self._log_path = log_path
+        self._log_max = log_max_bytes
         self._log_fd: int | None = None
         self.tail = bytearray()
         self.logged = 0
@@ -81,12 +89,28 @@ class KernelOutput:
 
     def _write_log(self, data: bytes) -> None:
         try:
-            if self._log_fd is None:
-                self._log_fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            os.write(self._log_fd, data)
+            fd = self._current_log()
+            if os.fstat(fd).st_size + len(data) > self._log_max:
+                os.replace(self._log_path, self._log_path + ".1")  # the agent's log is full: rotate it
+                fd = self._current_log()
+            os.write(fd, data)
         except OSError:
             pass  # a full disk costs the log, not the kernel
         self.logged += len(data)
+
+    def _current_log(self) -> int:
+        """An fd of the file at the log's path now (another kernel of the agent may have rotated it)."""
+        if self._log_fd is not None:
+            try:
+                current = os.stat(self._log_path).st_ino == os.fstat(self._log_fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                return self._log_fd
+            os.close(self._log_fd)
+            self._log_fd = None
+        self._log_fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return self._log_fd
 
     def text(self) -> str:
         """The last output, for an error message."""

@@ -73,6 +73,7 @@ class KernelPool:
             read_only=tuple(self.library.read_only_binds(agent)),
             cell_output_limit=s.cell_output_limit,
             run_as=self.run_as(agent),
+            log_max_bytes=s.kernel_log_max_bytes,
         )
 
     def sweep_leftovers(self) -> None:

@@ -86,6 +86,7 @@ class KernelOptions:
     # The kernel side spills at half the gateway's per-cell budget, so its own marker still fits.
     cell_output_limit: int = 0
     run_as: RunAs | None = None  # the agent's host uid; None: the gateway's own
+    log_max_bytes: int = 4 << 20  # the agent's kernel log, every kernel and restart together (then rotated)
 
 
 class Kernel:
@@ -162,7 +163,7 @@ class Kernel:
         )
         os.makedirs(options.log_dir, mode=0o700, exist_ok=True)
         # The kernel's fds 1 and 2 are a pipe we drain, not the log file itself.
-        output = KernelOutput(os.path.join(options.log_dir, f"kernel-{agent}.log"))
+        output = KernelOutput(os.path.join(options.log_dir, f"kernel-{agent}.log"), options.log_max_bytes)
         try:
             await km.start_kernel(cwd=cwd, stdout=output.write_fd, stderr=output.write_fd)
             output.start()

@@ -141,6 +141,29 @@ class Gateway(Configurable):
         help="Seconds a connection to the Jupyter TCP port has to send a request with a valid token; then it is closed.",
     )
 
+    max_websockets_per_agent = Int(
+        32, config=True, help="Kernel websockets (open, or buffering for a reconnect) of one agent; more get 429."
+    )
+    max_websockets_total = Int(256, config=True, help="Kernel websockets of all agents together.")
+    max_jupyter_sessions_per_agent = Int(
+        64, config=True, help="Jupyter sessions (/api/sessions) one agent may hold; more get 429."
+    )
+    max_jupyter_sessions_total = Int(1024, config=True, help="Jupyter sessions of all agents together.")
+    max_queued_jobs_per_agent = Int(8, config=True, help="Background jobs one agent may have waiting; more get 429.")
+    max_queued_jobs_total = Int(64, config=True, help="Background jobs waiting, of all agents together.")
+    max_jobs_per_agent = Int(
+        256, config=True, help="Job records one agent may keep (ended ones too: delete them to make room)."
+    )
+    max_job_env_size = Int(64 << 10, config=True, help="Bytes of a job's 'env' (names and values together).")
+    max_job_record_size = Int(
+        1 << 20, config=True, help="Bytes of a job's stored record (its command, objective, env and outputs)."
+    )
+    kernel_log_max_bytes = Int(
+        4 << 20, config=True,
+        help="Bytes of one agent's kernel log (<state_dir>/logs/kernel-AGENT.log), every kernel and restart "
+        "together; past it the log is rotated to .1, so an agent's kernels keep at most twice this on disk.",
+    )
+
     def resolved(self) -> "Gateway":
         """Absolute paths, so later chdirs cannot move them."""
         self.root = os.path.abspath(self.root)

@@ -42,7 +42,8 @@ BUFFER_SECONDS = 120.0
 BUFFER_MAX_MESSAGES = 10_000
 BUFFER_MAX_BYTES = 32 << 20
 WATCH_SECONDS = 0.5
-MAX_BRIDGES = 256  # open or buffering, in all: each holds four ZMQ sockets
+MAX_BRIDGES = 256  # open or buffering, in all: each holds four ZMQ sockets (--Gateway.max_websockets_total)
+MAX_BRIDGES_PER_AGENT = 32  # --Gateway.max_websockets_per_agent
 
 # deliver(channel, parts): parts are [header, parent_header, metadata, content, *buffers] (bytes).
 Deliver = Callable[[str, list], None]
@@ -329,12 +330,43 @@ class Bridge:
 
 
 class Bridges:
-    """Every bridge, by (kernel id, websocket session id), and the open websockets per kernel."""
+    """Every bridge, by (kernel id, websocket session id), and the open websockets per kernel.
 
-    def __init__(self, sessions: Any):
+    Each agent holds at most ``per_agent`` bridges (open or buffering) and all agents ``total``:
+    past its share, an agent's own oldest buffer makes room, and with none to drop the websocket is
+    refused with 429, so one agent's websockets never use up what another agent needs.
+    """
+
+    def __init__(self, sessions: Any, per_agent: int = MAX_BRIDGES_PER_AGENT, total: int = MAX_BRIDGES):
         self.sessions = sessions
+        self.per_agent, self.total = per_agent, total
         self._bridges: dict[tuple[str, str], Bridge] = {}
         self._attached: dict[tuple[str, str], Any] = {}
+
+    def make_room(self, agent: str, kernel_id: str, session_id: str) -> None:
+        """Room for one more bridge of ``agent`` (dropping a buffer if need be), or a 429 GatewayError."""
+        key = (kernel_id, session_id)
+        if key in self._bridges and key not in self._attached:
+            return  # a reconnect takes its own buffer over
+        mine = [k for k, b in self._bridges.items() if b.agent == agent and k != key]
+        if len(mine) >= self.per_agent:
+            waiting = [k for k in mine if k not in self._attached]
+            if not waiting:
+                raise GatewayError(
+                    429, "too_many_websockets", f"agent {agent!r} already has {self.per_agent} kernel websockets open",
+                    "close some; raise --Gateway.max_websockets_per_agent",
+                )
+            self._bridges[waiting[0]].close()  # its own oldest buffer
+        if len(self._bridges) >= self.total:
+            # The oldest buffer of a websocket that left, the agent's own first; never an open one.
+            waiting = sorted((k for k in self._bridges if k not in self._attached and k != key),
+                             key=lambda k: self._bridges[k].agent != agent)
+            if not waiting:
+                raise GatewayError(
+                    429, "too_many_websockets", f"the gateway already holds {self.total} kernel websockets",
+                    "try again later; raise --Gateway.max_websockets_total",
+                )
+            self._bridges[waiting[0]].close()
 
     def open(self, agent: str, gateway_session: str, kernel_id: str, session_id: str) -> tuple[Bridge, bool]:
         """(bridge, reused): a buffering bridge of the same session id is taken over."""
@@ -344,17 +376,14 @@ class Bridges:
             return bridge, True
         if bridge is not None:
             bridge.close()
-        if len(self._bridges) >= MAX_BRIDGES:
-            # Make room by dropping the oldest buffer of a websocket that left; never an open one.
-            waiting = [b for k, b in self._bridges.items() if k not in self._attached]
-            if not waiting:
-                raise GatewayError(429, "too_many_connections",
-                                   f"the gateway already holds {MAX_BRIDGES} kernel websockets", "close some")
-            waiting[0].close()
+        self.make_room(agent, kernel_id, session_id)
         bridge = Bridge(self, agent, gateway_session, kernel_id, session_id)
         bridge.connect()
         self._bridges[key] = bridge
         return bridge, False
+
+    def of_agent(self, agent: str) -> int:
+        return sum(1 for b in self._bridges.values() if b.agent == agent)
 
     def attached(self, bridge: Bridge, handler: Any) -> Any:
         """Mark ``handler`` as the websocket of ``bridge``; returns the one it replaces, if any."""

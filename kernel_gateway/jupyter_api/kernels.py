@@ -27,6 +27,8 @@ from .. import fs
 
 KERNEL_ID_NAMESPACE = uuid.UUID("6f1b2c52-7a0e-4a57-9d0c-1d3f6e2b9a10")
 SESSION_TYPES = ("notebook", "console", "file")
+MAX_SESSION_PATH = 4096  # characters
+MAX_SESSION_NAME = 1024
 
 
 def kernel_id(session: Any) -> str:
@@ -71,6 +73,10 @@ class AgentKernels:
     require_agent: Callable[[str], None]
     agent_root: Callable[[str], str]
     jupyter_sessions: dict[str, JupyterSession] = field(default_factory=dict)
+    # Shares of the Jupyter sessions kept in memory: this agent's, and every agent's (counted by the caller).
+    max_sessions: int = 64
+    max_sessions_total: int = 1024
+    sessions_total: Callable[[], int] = lambda: 0
 
     # --- kernels ----------------------------------------------------------------
 
@@ -216,11 +222,29 @@ class AgentKernels:
                     return self._session_model(js)  # exists: returned as it is, as jupyter_server does
                 except KeyError:
                     break
+        self._check_room(path)
         gateway_session = await self._gateway_session_for(path, type_, kernel or {})
+        self._check_room(path)  # again: others may have been made while the kernel started
         js = JupyterSession(str(uuid.uuid4()), path, name or os.path.basename(path), type_, gateway_session)
         self.jupyter_sessions = {k: v for k, v in self.jupyter_sessions.items() if v.path != path}
         self.jupyter_sessions[js.id] = js
         return self._session_model(js)
+
+    def _check_room(self, path: str) -> None:
+        """429 past this agent's share of Jupyter sessions or the total (a session for ``path`` is replaced)."""
+        self.list_sessions()  # drops those whose kernel has gone
+        if any(js.path == path for js in self.jupyter_sessions.values()):
+            return
+        if len(self.jupyter_sessions) >= self.max_sessions:
+            raise GatewayError(
+                429, "too_many_sessions", f"agent {self.agent!r} already has {self.max_sessions} Jupyter sessions",
+                "delete some: DELETE .../api/sessions/{id}; raise --Gateway.max_jupyter_sessions_per_agent",
+            )
+        if self.sessions_total() >= self.max_sessions_total:
+            raise GatewayError(
+                429, "too_many_sessions", f"the gateway already holds {self.max_sessions_total} Jupyter sessions",
+                "try again later; raise --Gateway.max_jupyter_sessions_total",
+            )
 
     async def update_session(self, sid: str, body: dict) -> dict:
         self.get_session(sid)
@@ -278,8 +302,11 @@ def _session_fields(body: dict, required: bool) -> tuple:
     for key, value in (("path", path), ("type", type_), ("name", name)):
         if value is not None and not isinstance(value, str):
             raise bad_request(f"field {key!r} must be a string", code="wrong_type")
-    if path is not None and (not path or len(path) > 4096 or "\0" in path):
-        raise bad_request("field 'path' must be 1-4096 characters without NUL", code="invalid_path")
+    if path is not None and (not path or len(path) > MAX_SESSION_PATH or "\0" in path):
+        raise bad_request(f"field 'path' must be 1-{MAX_SESSION_PATH} characters without NUL", code="invalid_path")
+    if name is not None and (len(name) > MAX_SESSION_NAME or "\0" in name):
+        raise bad_request(f"field 'name' must be at most {MAX_SESSION_NAME} characters without NUL",
+                          code="invalid_name")
     if type_ is not None and type_ not in SESSION_TYPES:
         raise bad_request(f"field 'type' must be one of {', '.join(SESSION_TYPES)}", code="invalid_type")
     if kernel is not None and not isinstance(kernel, dict):

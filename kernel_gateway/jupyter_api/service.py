@@ -25,6 +25,7 @@ class JupyterAPI:
         agent_root: Callable[[str], str],
         notebook_session_id: Callable[[str], str],
         library: Any = None,
+        shares: Any = None,
     ):
         self.sessions = sessions
         self.require_agent = require_agent
@@ -32,7 +33,10 @@ class JupyterAPI:
         self.library = library
         self.tokens = TokenStore(state_dir)
         self.kernelspecs = KernelSpecs(os.path.join(state_dir, "kernels"))
-        self.bridges = Bridges(sessions)
+        # Per-agent shares and totals (the Gateway settings): websockets and Jupyter sessions.
+        self.shares = shares
+        self.bridges = Bridges(sessions) if shares is None else Bridges(
+            sessions, shares.max_websockets_per_agent, shares.max_websockets_total)
         self.notebook_session_id = notebook_session_id
         self.started = time.time()
         self.url: str | None = None  # http://127.0.0.1:PORT/ once the TCP listener is up
@@ -41,9 +45,17 @@ class JupyterAPI:
     def kernels(self, agent: str) -> AgentKernels:
         self.require_agent(agent)
         if agent not in self._agents:
-            self._agents[agent] = AgentKernels(agent, self.sessions, self.notebook_session_id,
-                                               self.bridges.connections, self.require_agent, self.agent_root)
+            kernels = AgentKernels(agent, self.sessions, self.notebook_session_id,
+                                   self.bridges.connections, self.require_agent, self.agent_root)
+            kernels.sessions_total = self.jupyter_sessions_total
+            if self.shares is not None:
+                kernels.max_sessions = self.shares.max_jupyter_sessions_per_agent
+                kernels.max_sessions_total = self.shares.max_jupyter_sessions_total
+            self._agents[agent] = kernels
         return self._agents[agent]
+
+    def jupyter_sessions_total(self) -> int:
+        return sum(len(k.jupyter_sessions) for k in self._agents.values())
 
     def contents(self, agent: str) -> Contents:
         self.require_agent(agent)

@@ -40,6 +40,12 @@ log = logging.getLogger("kernel_gateway")
 
 ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, library_routes, job_routes, token_routes]
 JUPYTER_PORT_RETRIES = 50  # as Jupyter Server's port_retries
+# The per-agent shares and totals of the shared pools, shown in GET /v1/info (limits).
+SHARE_SETTINGS = (
+    "max_websockets_per_agent", "max_websockets_total", "max_jupyter_sessions_per_agent",
+    "max_jupyter_sessions_total", "max_queued_jobs_per_agent", "max_queued_jobs_total", "max_jobs_per_agent",
+    "max_job_env_size", "max_job_record_size", "kernel_log_max_bytes",
+)
 TCP_IDLE_SECONDS = 600  # an authenticated keep-alive connection between requests (it counts against its agent)
 
 
@@ -218,6 +224,7 @@ class GatewayServer:
                 "cell_output_limit": s.cell_output_limit,
                 "max_requests_per_agent_socket": s.max_requests_per_agent_socket,
                 **self.gate.describe(),
+                **{name: getattr(s, name) for name in SHARE_SETTINGS},
             },
             "paths": {"root": s.root, "state_dir": s.state_dir, "socket": s.socket, "runtime": core.pool.runtime_root},
         }
@@ -240,6 +247,7 @@ class GatewayServer:
             agent_root=core.agents.agent_root,
             notebook_session_id=notebook_session_id,
             library=core.library,
+            shares=s,
         )
         self._listen(s.socket, None)
         if s.jupyter:

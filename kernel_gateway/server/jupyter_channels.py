@@ -48,6 +48,9 @@ class ChannelsHandler(websocket.WebSocketHandler):
             kernels = self.core.jupyter.kernels(self.agent)
             session = kernels.session_of(kernel_id)
             self.core.jupyter.require_kernel(self.agent)
+            session_id = (self.get_query_argument("session_id", None) or uuid.uuid4().hex)[:256]
+            # Before the upgrade: past the agent's share the answer is a plain 429 in JSON.
+            self.core.jupyter.bridges.make_room(self.agent, kernel_id, session_id)
         except GatewayError as e:
             self.set_status(e.status)
             self.set_header("Content-Type", "application/json")
@@ -55,8 +58,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
             return
         self.kernel_id = kernel_id
         self.gateway_session = session.id
-        session_id = self.get_query_argument("session_id", None) or uuid.uuid4().hex
-        self.session_id = session_id[:256]
+        self.session_id = session_id
         await super().get(agent, kernel_id)
 
     def check_origin(self, origin: str) -> bool:
