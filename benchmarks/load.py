@@ -489,6 +489,7 @@ class Load:
             "corrupt_files_after_crash": len(self.corrupt),
             "corrupt_examples": self.corrupt[:5],
             "orphans_after_shutdown": leftovers,
+            "orphan_examples": self.orphan_examples,
             "gateway_peak_rss_mb": round(self.peak_rss_kb / 1024, 1),
             "gateway_peak_fds": self.peak_fds,
             "connection_errors_while_down": s.gateway_down_errors,
@@ -506,7 +507,7 @@ class Load:
             except OSError:
                 continue
             if self.base in cmdline or f"kg-{instance}" in cmdline:
-                processes.append(int(pid))
+                processes.append(f"{pid}: {cmdline[:400]}")
         runtime = os.path.join(tempfile.gettempdir(), f"kg-{instance}")
         runtime_dirs = os.listdir(runtime) if os.path.isdir(runtime) else []
         cgroups = []
@@ -515,6 +516,9 @@ class Load:
                 cgroups += [os.path.join(parent, d) for d in dirs if d.startswith(f"kg-{instance}")]
                 if parent.count("/") > 6:
                     dirs.clear()
+        for line in processes:  # what it is, so that a failed run says which sandbox was left
+            log(f"left behind: {line}")
+        self.orphan_examples = processes[:5]
         return {"processes": len(processes), "runtime_dirs": len(runtime_dirs), "cgroups": len(cgroups)}
 
 

@@ -321,7 +321,7 @@ def check_uid_mode(bwrap: str, python: str, uid_start: int) -> Check:
                 load_profile("command"), values, ["/bin/sh", "-c", "touch probe"], bwrap=bwrap, name="doctor", run_as=run_as
             )
         except launch.SandboxUnavailable as e:
-            return Check("uid", False, str(e), "install util-linux (prlimit, setpriv)")
+            return Check("uid", False, str(e), "install bubblewrap (see the bwrap check above)")
         try:
             proc = launch.run_to_end(prepared, timeout=60)
             err = proc.stderr

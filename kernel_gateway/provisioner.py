@@ -185,13 +185,6 @@ class SandboxedKernelProvisioner(LocalProvisioner):
             self._release()  # nor when the launch fails
             raise
         self._prepared.spawned()
-        try:
-            await self._prepared.started(self.process.pid)
-        except BaseException:
-            self.process.kill()
-            self.process.wait()
-            self._release()
-            raise
         self.pid = self.pgid = self.process.pid
         self.cwd = kwargs.get("cwd")
         return self.connection_info

@@ -58,7 +58,7 @@ def test_a_sandbox_gets_its_weight_and_cap_inside_its_agents_group(tmp_path):
             assert _read(cpu_dir, "cpu.shares") == "3072"
             assert _read(cpu_dir, "cpu.cfs_quota_us") == "20000"
             assert _read(agent_group, "cpu.shares") == "1024"
-        done = launch.run_to_end(prepared)  # spawn, release from --block-fd once in its cgroup, wait
+        done = launch.run_to_end(prepared)  # spawn (into its cgroup from the first instruction), wait
         assert done.returncode == 0, done.stderr
         stat = dict(line.split() for line in _read(cpu_dir, "cpu.stat").splitlines())
         assert int(stat["nr_throttled"]) > 0  # the busy second really ran into the cap

@@ -15,6 +15,7 @@ import asyncio
 import errno
 import json
 import os
+import sys
 import stat
 import textwrap
 import threading
@@ -160,14 +161,17 @@ def test_trampoline_argv_is_exact():
         "/h", "--cgroup=/cg/pids/x/cgroup.procs", f"--rlimit={resource.RLIMIT_CORE}:0",
         f"--rlimit={resource.RLIMIT_AS}:4096", "--uid=200001", "--gid=200001", f"--parent={os.getpid()}", "--",
     ]  # fmt: skip
-    assert launch.trampoline(limits, run_as) == [
-        launch.find_tool("prlimit"), "--core=0", "--as=4096", "--",
-        launch.find_tool("setpriv"), "--reuid=200001", "--regid=200001", "--clear-groups", "--",
+    twin = [sys.executable, "-I", "-S", "-B", launch.HELPER_PY]
+    assert launch.trampoline(limits, run_as) == twin + [
+        f"--rlimit={resource.RLIMIT_CORE}:0", f"--rlimit={resource.RLIMIT_AS}:4096", "--uid=200001", "--gid=200001",
+        f"--parent={os.getpid()}", "--",
     ]  # fmt: skip
-    assert launch.trampoline([(resource.RLIMIT_CORE, 0)], None) == [launch.find_tool("prlimit"), "--core=0", "--"]
+    assert launch.trampoline([(resource.RLIMIT_CORE, 0)], None) == twin + [
+        f"--rlimit={resource.RLIMIT_CORE}:0", f"--parent={os.getpid()}", "--",
+    ]
 
 
-@pytest.mark.parametrize("helper", [True, False], ids=["spawn-helper", "prlimit-setpriv"])
+@pytest.mark.parametrize("helper", [True, False], ids=["spawn-helper", "python-twin"])
 def test_both_trampolines_set_limits_and_uid_before_bwrap(tmp_path, helper):
     if helper and launch.find_helper() is None:
         pytest.skip("the spawn helper is not built (scripts/install.sh builds it)")
@@ -188,10 +192,10 @@ def test_both_trampolines_set_limits_and_uid_before_bwrap(tmp_path, helper):
         run_as=launch.RunAs(232000, 232000, 500), spawn_helper=helper,
     )  # fmt: skip
     assert (prepared.argv[0] == launch.HELPER) == helper
+    assert helper or prepared.argv[:5] == [sys.executable, "-I", "-S", "-B", launch.HELPER_PY]
     try:
         proc = subprocess.Popen(prepared.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **prepared.spawn_kwargs())
         prepared.spawned()
-        prepared.started_sync(proc.pid)
         out, err = proc.communicate(timeout=60)
     finally:
         prepared.cleanup()
@@ -203,18 +207,19 @@ def test_both_trampolines_set_limits_and_uid_before_bwrap(tmp_path, helper):
     assert os.stat(tree / "t").st_uid == 232000
 
 
-def test_the_spawn_helper_refuses_bad_input_before_running_anything(tmp_path):
+@pytest.mark.parametrize("helper", [True, False], ids=["spawn-helper", "python-twin"])
+def test_the_spawn_helper_refuses_bad_input_before_running_anything(tmp_path, helper):
     import subprocess
 
-    helper = launch.find_helper()
-    if helper is None:
+    if helper and launch.find_helper() is None:
         pytest.skip("the spawn helper is not built (scripts/install.sh builds it)")
+    prefix = launch.helper_argv(launch.find_helper() if helper else None)
     marker = tmp_path / "ran"
     for args in (["--uid=5", "--"], ["--rlimit=x:1", "--"], ["--rlimit=4", "--"], ["--bogus", "--"], ["--"],
                  ["--uid=5", "--gid=5"], ["--uid=-1", "--gid=5", "--"]):  # fmt: skip
-        argv = [helper, *args] + (["/bin/touch", str(marker)] if args[-1] == "--" else [])
+        argv = [*prefix, *args] + (["/bin/touch", str(marker)] if args[-1] == "--" else [])
         if args == ["--"]:
-            argv = [helper, "--", "touch", str(marker)]  # not an absolute path
+            argv = [*prefix, "--", "touch", str(marker)]  # not an absolute path
         result = subprocess.run(argv, capture_output=True, text=True)
         assert result.returncode == 127 and result.stderr.startswith("kg-spawn-helper: "), (args, result)
     assert not marker.exists()

@@ -22,12 +22,12 @@ reading, and bwrap's own clone of its namespaces holds it for milliseconds:
 the gateway writing bwrap's pid itself waited ~4 ms per spawn).
 The gateway may lack CAP_SYS_RESOURCE, so it cannot ``prlimit`` another uid.
 
-Without the helper (no C compiler at install time), ``prlimit`` and
-``setpriv`` take its place and bwrap is held instead: ``--info-fd`` tells us
-the pid of its sandbox child, and that child waits on ``--block-fd`` after
-setting the sandbox up and before it runs anything of the agent's, while the
-gateway moves bwrap and the child into the cgroup; only then does it release
-the block.
+Without the built helper (no C compiler at install time), its Python twin
+``spawn_helper.py`` does the same steps in the same order, run by the
+gateway's own interpreter (about 12 ms slower per spawn).  Either way a
+sandbox is in its cgroups and dies with the gateway from its first
+instruction: a gateway killed with ``-9`` at any step of a spawn leaves
+nothing outside its cgroups, where the next start's sweep finds it.
 
 Host-side processes (the trampoline, bwrap) get :data:`HOST_ENV` and nothing else:
 the sandbox's own environment, the profile's and whatever a request asks
@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import re
 import resource
-import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -64,7 +63,6 @@ HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 HOST_PATH = HOST_ENV["PATH"]
 #: A variable name bwrap, sh and execve all read the same way.
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-INFO_TIMEOUT = 30.0  # seconds bwrap may take to report its child
 
 
 class SandboxUnavailable(RuntimeError):
@@ -86,35 +84,29 @@ def find_bwrap(path: str | None = None) -> str:
 
 @functools.lru_cache(maxsize=4)
 def find_tool(name: str) -> str:
-    """A util-linux tool of the spawn path (``prlimit``, ``setpriv``), from the host's own PATH."""
+    """A host tool (``mkfs.ext4``, ``mount``, ...) from the host's own PATH, never a request's."""
     candidate = shutil.which(name, path=HOST_PATH)
     if not candidate:
-        raise SandboxUnavailable(
-            f"{name} not found in {HOST_PATH}: sandboxes are started through it;"
-            " install util-linux (`apt-get install -y util-linux`)"
-        )
+        raise SandboxUnavailable(f"{name} not found in {HOST_PATH}")
     return candidate
-
-
-_PRLIMIT_OPTIONS = {
-    resource.RLIMIT_CORE: "--core",
-    resource.RLIMIT_CPU: "--cpu",
-    resource.RLIMIT_FSIZE: "--fsize",
-    resource.RLIMIT_AS: "--as",
-    resource.RLIMIT_NPROC: "--nproc",
-}
 
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kg-spawn-helper")
 HELPER_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawn_helper.c")
+#: The helper's twin in Python, for a gateway installed without a C compiler.
+HELPER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawn_helper.py")
 
 
 @functools.lru_cache(maxsize=1)
 def find_helper() -> str | None:
-    """The built spawn helper (``scripts/install.sh`` compiles it), or None to use util-linux.
+    """The built spawn helper (``scripts/install.sh`` compiles it), or None to use its Python twin.
 
-    Only a file no one else may change: the gateway execs it as root.
+    Only a file no one else may change: the gateway execs it as root.  The
+    twin is also chosen when the gateway's environment has
+    ``KERNEL_GATEWAY_SPAWN_HELPER=python`` (to compare the two, or rule one out).
     """
+    if os.environ.get("KERNEL_GATEWAY_SPAWN_HELPER") == "python":
+        return None
     try:
         st = os.stat(HELPER)
     except OSError:
@@ -125,31 +117,31 @@ def find_helper() -> str | None:
     return HELPER
 
 
+def helper_argv(helper: str | None) -> list[str]:
+    """How the spawn helper is run: the built one, or its twin under this very interpreter."""
+    if helper is not None:
+        return [helper]
+    return [sys.executable, "-I", "-S", "-B", HELPER_PY]
+
+
 def trampoline(
     rlimits: Sequence[tuple[int, int]],
     run_as: "RunAs | None",
     helper: str | None = None,
     cgroup_procs: Sequence[str] = (),
 ) -> list[str]:
-    """The exec before bwrap: set the rlimits, then drop to the sandbox's uid.
+    """The exec before bwrap: join the cgroups, set the rlimits, drop to the sandbox's uid, die with us.
 
-    With the spawn helper that is one small static exec, which also joins
-    the sandbox's cgroups (``cgroup_procs``) and dies with the gateway; without
-    it, ``prlimit`` and ``setpriv`` (util-linux), each exec'ing the next, and
-    the gateway moves bwrap into the cgroups (see :meth:`PreparedSandbox.started`).
-    Each changes only its own process, so the gateway itself is never forked:
+    One small static exec (``helper``, built from ``spawn_helper.c``), or the
+    same program in Python (:data:`HELPER_PY`) where it is not built.  Each
+    changes only its own process, so the gateway itself is never forked:
     ``subprocess`` uses vfork.
     """
-    if helper is not None:
-        argv = [helper] + [f"--cgroup={path}" for path in cgroup_procs]
-        argv += [f"--rlimit={int(which)}:{value}" for which, value in rlimits]
-        if run_as is not None:
-            argv += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
-        return argv + [f"--parent={os.getpid()}", "--"]
-    argv = [find_tool("prlimit")] + [f"{_PRLIMIT_OPTIONS[which]}={value}" for which, value in rlimits] + ["--"]
+    argv = helper_argv(helper) + [f"--cgroup={path}" for path in cgroup_procs]
+    argv += [f"--rlimit={int(which)}:{value}" for which, value in rlimits]
     if run_as is not None:
-        argv += [find_tool("setpriv"), f"--reuid={run_as.uid}", f"--regid={run_as.gid}", "--clear-groups", "--"]
-    return argv
+        argv += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
+    return argv + [f"--parent={os.getpid()}", "--"]
 
 
 def exit_status(returncode: int | None) -> tuple[int | None, int | None]:
@@ -213,14 +205,6 @@ def _memfd(name: str, text: str) -> int:
     return fd
 
 
-def _parse_info(data: bytes) -> dict | None:
-    try:
-        info = json.loads(data)
-    except ValueError:
-        return None
-    return info if isinstance(info, dict) else None
-
-
 @dataclass
 class PreparedSandbox:
     """A compiled sandbox plus the per-launch resources it needs."""
@@ -231,11 +215,6 @@ class PreparedSandbox:
     cgroup: cgroups.SandboxCgroup | None
     rlimits: list[tuple[int, int]] = field(default_factory=list)
     run_as: RunAs | None = None
-    # The two pipes that hold bwrap: (ours, bwrap's) ends.
-    info_fd: int = -1
-    block_fd: int = -1
-    child_fds: list[int] = field(default_factory=list)
-    child_pid: int | None = None
 
     @property
     def limits(self) -> Limits:
@@ -247,118 +226,19 @@ class PreparedSandbox:
         return self.compiled.env
 
     def spawn_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for Popen / create_subprocess_exec (with ``*self.argv``).
-
-        The sandbox waits, before running anything, until :meth:`started` (or
-        :meth:`started_sync`) releases it; :func:`run_to_end` does all of it.
-        """
+        """Keyword arguments for Popen / create_subprocess_exec (with ``*self.argv``)."""
         return {
             "env": dict(HOST_ENV),
-            "pass_fds": tuple(self.data_fds + self.child_fds),
+            "pass_fds": tuple(self.data_fds),
             "start_new_session": True,
             "close_fds": True,
         }
 
     def spawned(self) -> None:
         """Call once the child exists: bwrap holds its own copies of its fds."""
-        for fd in self.data_fds + self.child_fds:
+        for fd in self.data_fds:
             os.close(fd)
-        self.data_fds, self.child_fds = [], []
-
-    @property
-    def held(self) -> bool:
-        """Whether bwrap waits on ``--block-fd`` for the gateway to confine it (no spawn helper)."""
-        return self.info_fd >= 0
-
-    async def started(self, pid: int) -> None:
-        """Confine bwrap (pid) and its sandbox child, then let the child run the command.
-
-        With the spawn helper there is nothing to do: it joined the cgroups itself.
-        """
-        if not self.held:
-            return
-        loop = asyncio.get_running_loop()
-        data = bytearray()
-        done: asyncio.Future = loop.create_future()
-
-        def readable() -> None:
-            try:
-                chunk = os.read(self.info_fd, 4096)
-            except BlockingIOError:
-                return
-            except OSError:
-                chunk = b""
-            data.extend(chunk)
-            if (not chunk or _parse_info(bytes(data)) is not None) and not done.done():
-                done.set_result(None)
-
-        os.set_blocking(self.info_fd, False)
-        loop.add_reader(self.info_fd, readable)
-        try:
-            await asyncio.wait_for(done, INFO_TIMEOUT)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            loop.remove_reader(self.info_fd)
-        self._confine_and_release(pid, _parse_info(bytes(data)))
-
-    def started_sync(self, pid: int, timeout: float = INFO_TIMEOUT) -> None:
-        """:meth:`started` for callers without an event loop (doctor, tests)."""
-        if not self.held:
-            return
-        data, deadline = bytearray(), time.monotonic() + timeout
-        while _parse_info(bytes(data)) is None and time.monotonic() < deadline:
-            ready, _, _ = select.select([self.info_fd], [], [], max(0.0, deadline - time.monotonic()))
-            chunk = os.read(self.info_fd, 4096) if ready else b""
-            if not chunk:
-                break
-            data.extend(chunk)
-        self._confine_and_release(pid, _parse_info(bytes(data)))
-
-    def _confine_and_release(self, pid: int, info: dict | None) -> None:
-        # Closing the block fd releases bwrap's child just as writing to it does:
-        # every way out that has not confined the sandbox kills it first.
-        child = info.get("child-pid") if info else None
-        if not isinstance(child, int) or child <= 0:
-            # bwrap failed before it made the sandbox (it exits with its own error), or is stuck.
-            self._kill_and_close(pid)
-            return
-        self.child_pid = child
-        try:
-            if self.cgroup is not None:
-                for path in self.cgroup.procs_files():
-                    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-                    try:
-                        for member in (pid, child):
-                            os.write(fd, str(member).encode())
-                    finally:
-                        os.close(fd)
-        except ProcessLookupError:
-            self._kill_and_close(pid)  # gone already (a setup error): nothing of the agent's ran
-            return
-        except OSError as e:
-            self._kill_and_close(pid)
-            raise SandboxUnavailable(f"could not move the sandbox into its cgroup: {e}") from e
-        try:
-            os.write(self.block_fd, b"x")
-        except BrokenPipeError:
-            pass
-        self._close_control()
-
-    def _kill_and_close(self, pid: int) -> None:
-        for target in (self.child_pid, pid):
-            if target:
-                try:
-                    os.kill(target, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self._close_control()
-
-    def _close_control(self) -> None:
-        for fd in (self.info_fd, self.block_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.info_fd = self.block_fd = -1
+        self.data_fds = []
 
     async def finish(self, timeout: float = 2.0) -> bool:
         """:meth:`cleanup` for the event loop: polls the emptying cgroup in short steps.
@@ -384,7 +264,6 @@ class PreparedSandbox:
         namespace ends with it), so callers can skip a worker thread.
         """
         self.spawned()
-        self._close_control()
         if self.cgroup is not None:
             self.cgroup.remove(timeout)
             if self.cgroup.dirs:
@@ -432,7 +311,6 @@ def prepare(
         run_as = None  # already that uid: nothing to drop
     files = created_files(profile, values)
     fds = [_memfd(f"created-file-{i}", text) for i, (_at, text) in enumerate(files)]
-    pipes: list[int] = []
     try:
         # The seccomp filter is one more memfd that bwrap reads (--seccomp FD).
         sandbox = profile["sandbox"]
@@ -446,18 +324,11 @@ def prepare(
         if not command:
             raise ValueError("no command to run: pass one or set process.command in the profile")
         helper = find_helper() if spawn_helper else None
-        bwrap_argv = compiled.argv[:-1] + environment
-        if helper is None and use_cgroups:
-            # No helper to join the cgroups before bwrap runs: bwrap waits until the gateway has moved it.
-            info_r, info_w = os.pipe2(os.O_CLOEXEC)
-            block_r, block_w = os.pipe2(os.O_CLOEXEC)
-            pipes = [info_r, info_w, block_r, block_w]
-            bwrap_argv += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
-        bwrap_argv.append("--")
+        bwrap_argv = compiled.argv[:-1] + environment + ["--"]
         if run_as is not None:
             bwrap_argv = _reachable_argv(bwrap_argv, run_as)
     except BaseException:
-        for fd in fds + pipes:
+        for fd in fds:
             os.close(fd)
         raise
     limits = compiled.limits
@@ -472,12 +343,11 @@ def prepare(
         )
         # RLIMIT_NPROC counts every process of the host uid: per sandbox only a fallback.
         rlimits = _rlimits(limits, with_nproc=group is None, per_uid=run_as.max_processes if run_as else None)
-        prefix = trampoline(rlimits, run_as, helper, group.procs_files() if group is not None and helper else ())
+        prefix = trampoline(rlimits, run_as, helper, group.procs_files() if group is not None else ())
     except BaseException:  # a limit that cannot be set: nothing starts, nothing leaks
-        for fd in fds + pipes:
+        for fd in fds:
             os.close(fd)
         raise
-    held = {"info_fd": pipes[0], "block_fd": pipes[3], "child_fds": [pipes[1], pipes[2]]} if pipes else {}
     return PreparedSandbox(
         compiled=compiled,
         argv=prefix + bwrap_argv + command,
@@ -485,15 +355,12 @@ def prepare(
         cgroup=group,
         rlimits=rlimits,
         run_as=run_as,
-        **held,
     )
 
 
 async def spawn(prepared: PreparedSandbox, **kwargs: Any) -> asyncio.subprocess.Process:
-    """Start a prepared sandbox from the event loop, confined and released (its cgroup, then
-    ``--block-fd``); ``kwargs`` go to ``create_subprocess_exec`` (stdin, stdout, stderr).
-
-    Whatever fails on the way kills what was started and cleans the sandbox up.
+    """Start a prepared sandbox from the event loop; ``kwargs`` go to ``create_subprocess_exec``
+    (stdin, stdout, stderr).  A spawn that fails cleans the sandbox up.
     """
     try:
         process = await asyncio.create_subprocess_exec(*prepared.argv, **kwargs, **prepared.spawn_kwargs())
@@ -501,14 +368,6 @@ async def spawn(prepared: PreparedSandbox, **kwargs: Any) -> asyncio.subprocess.
         prepared.cleanup()
         raise
     prepared.spawned()
-    try:
-        await prepared.started(process.pid)  # into its cgroup, then released from --block-fd
-    except BaseException:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
-        prepared.cleanup()
-        raise
     return process
 
 
@@ -519,7 +378,6 @@ def run_to_end(prepared: PreparedSandbox, timeout: float = 60) -> subprocess.Com
         text=True, **prepared.spawn_kwargs(),
     )  # fmt: skip
     prepared.spawned()
-    prepared.started_sync(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
