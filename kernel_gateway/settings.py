@@ -34,10 +34,11 @@ class Gateway(Configurable):
         config=True,
         help='Per-agent profile overrides: {"alice": {"kernel": "/etc/kg/net-kernel.json"}}.',
     )
-    # 32 KiB, not more: a cell's or a command's output goes into an agent's context window, where
-    # 32 KiB is about 8k tokens (some 5,000 short lines, head and tail) -- enough to read a table,
-    # a log's start and end or a traceback; the rest is one `grep` away in the spilled file.
-    output_limit = Int(32 << 10, config=True, help="Bytes of each stream or result kept (head and tail).")
+    # 64 KiB: a cell's or a command's output goes into an agent's context window, where this is
+    # about 16k tokens at most, head and tail; less cut tables and tracebacks an agent needs whole
+    # (a 200-row frame, a long pip error), and the cut is never silent: the last line names the
+    # file holding everything.  Operators of small-context agents set --Gateway.output_limit lower.
+    output_limit = Int(64 << 10, config=True, help="Bytes of each stream or result kept (head and tail).")
     cell_output_limit = Int(
         384 << 10, config=True,
         help="Bytes of output kept per cell, every stream and result together; the rest is spilled to files.",
