@@ -131,8 +131,9 @@ def _op(summary: str, *, ok: str = "200", result: dict | None = None, body: dict
         op["requestBody"] = {"required": False, "content": {t: {"schema": body} for t in body_types}}
     content = {JSON: {"schema": result or {"type": "object"}}}
     if stream:
-        content[NDJSON] = {"schema": {"type": "string"},
-                           "description": "One JSON event a line: output, keepalive, then result."}
+        # (A media type object has no description in OpenAPI 3.1: it goes in the schema.)
+        content[NDJSON] = {"schema": {"type": "string",
+                                      "description": "One JSON event a line: output, keepalive, then result."}}
     op["responses"] = {ok: {"description": "Success.", "content": content}}
     for status in extra_ok:
         op["responses"][status] = {"description": "Success.", "content": {JSON: {"schema": result or {"type": "object"}}}}
@@ -237,7 +238,7 @@ ROUTES: dict[str, dict] = {
         get=_op("The live variables of the session.", errors=("400", "404", "409"),
                 query=(_param("limit", "query", {"type": "integer", "minimum": 1}, "At most this many."),
                        _param("include_private", "query", {"type": "string", "enum": ["0", "1"]},
-                              "Also names starting with _."))),
+                              "Also names starting with _, and modules in the list (otherwise named apart, in modules)."))),
     ),
     "/v1/agents/{agent}/sessions/{session}/variables/{name}": _path(
         "agent", "session", "name",

@@ -59,6 +59,9 @@ def optional_type(module, name):
 DataFrame = optional_type("pandas", "DataFrame")
 Series = optional_type("pandas", "Series")
 ndarray = optional_type("numpy", "ndarray")
+# numpy's scalars (what pandas aggregations return): numbers and bools, whose str is bounded.
+numpy_scalar = tuple(filter(None, (optional_type("numpy", "number"), optional_type("numpy", "bool_"))))
+SERIES_ROWS = 10
 
 
 def is_a(value, cls):
@@ -136,6 +139,8 @@ def summary(value):
         return "shape %s; dtype %s" % (tuple(value.shape), value.dtype)
     if kind in SCALARS:
         return scalar_repr(value)
+    if numpy_scalar and issubclass(kind, numpy_scalar):
+        return clip(str(value), 80)
     if kind is str:
         return "length %d: %s" % (len(value), clip(repr(value[:80]), 80))
     if kind in (bytes, bytearray):
@@ -164,12 +169,21 @@ def describe(name, value):
 
 
 def list_names(user_ns, limit, include_private):
+    items = list(user_ns.items())
     names = sorted(
-        name for name, value in list(user_ns.items())
+        name for name, value in items
         if type(name) is str and visible(name, value, include_private)
     )
     shown = [describe(name, user_ns[name]) for name in names[:limit]]
-    return {"variables": shown, "count": len(names), "truncated": len(names) > limit}
+    answer = {"variables": shown, "count": len(names), "truncated": len(names) > limit}
+    if not include_private:
+        # Imported modules are not variables to inspect, but they are named, so none seems lost.
+        answer["modules"] = sorted(
+            name for name, value in items
+            if type(name) is str and not name.startswith("_") and issubclass(type(value), types.ModuleType)
+            and visible(name, value, True)
+        )[:limit]
+    return answer
 
 
 def preview_text(value):
@@ -182,12 +196,14 @@ def preview_text(value):
             "dtypes:",
             value.dtypes.iloc[:50].to_string() + ("\n\u2026 %d more columns" % (columns - 50) if columns > 50 else ""),
             "memory usage: %s (object contents not counted)" % size_text(memory),
-            "first rows:",
+            "first rows (%d of %d shown):" % (min(rows, 10), rows) if rows > 10 else "rows:",
             value.head(10).to_string(max_cols=30, max_colwidth=60),
         ])
     if is_a(value, Series):
-        return "Series %s: length %d, dtype %s\n%s" % (
-            label(value.name), len(value), value.dtype, value.head(10).to_string(max_rows=10)
+        shown = min(len(value), SERIES_ROWS)
+        more = "\n[%d of %d values shown]" % (shown, len(value)) if len(value) > shown else ""
+        return "Series %s: length %d, dtype %s\n%s%s" % (
+            label(value.name), len(value), value.dtype, value.head(SERIES_ROWS).to_string(max_rows=SERIES_ROWS), more
         )
     if is_a(value, ndarray):
         numpy = sys.modules["numpy"]
@@ -199,6 +215,8 @@ def preview_text(value):
         return value[: args["max_chars"] + 1]
     if kind in SCALARS:
         return repr(value) if kind is not int or value.bit_length() <= 4096 else scalar_repr(value)
+    if numpy_scalar and issubclass(kind, numpy_scalar):
+        return "%s (numpy %s)" % (clip(str(value), 200), kind.__name__)
     if kind in (bytes, bytearray):
         return "%s, length %d: %s" % (kind.__name__, len(value), repr(value[: args["max_chars"]]))
     base = container_base(value)

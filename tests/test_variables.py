@@ -64,6 +64,10 @@ sleepy = Sleepy()
 huge = HugeList(range(5))
 liar = Liar()
 _private = "hidden"
+mean_temp = df["temp"].mean()
+count_n = df["n"].sum()
+is_wide = np.bool_(True)
+twelve = pd.Series(range(12), name="n")
 def helper(a, b=2):
     "Add things."
     return a + b
@@ -147,6 +151,31 @@ def test_list_hides_ipython_names_private_names_and_modules(kernel):
     everything = set(by_name(run(list_variables(kc, include_private=True, limit=10_000))))
     assert {"_private", "np", "pd", "time"} <= everything
     assert not {"In", "Out", "exit", "quit", "get_ipython", "_ih", "_i", "__builtins__"} & everything
+
+
+def test_numpy_scalars_show_their_values(kernel):
+    run, kc = kernel
+    variables = by_name(run(list_variables(kc, limit=10_000)))
+    assert (variables["mean_temp"]["type"], variables["mean_temp"]["summary"]) == ("float64", "59.95")
+    assert (variables["count_n"]["type"], variables["count_n"]["summary"]) == ("int64", "719400")
+    assert variables["is_wide"]["summary"] == "True"
+    assert run(preview_variable(kc, "mean_temp"))["preview"] == "59.95 (numpy float64)"
+
+
+def test_a_series_preview_says_how_many_values_it_shows(kernel):
+    run, kc = kernel
+    text = run(preview_variable(kc, "twelve"))["preview"]
+    assert text.startswith("Series 'n': length 12, dtype int64\n")
+    assert text.endswith("\n[10 of 12 values shown]")
+    assert run(preview_variable(kc, "df"))["preview"].count("first rows (10 of 1200 shown):") == 1
+
+
+def test_modules_are_named_apart_unless_listed_with_include_private(kernel):
+    run, kc = kernel
+    listing = run(list_variables(kc, limit=10_000))
+    assert {"np", "pd", "time"} <= set(listing["modules"])
+    assert not {"np", "pd", "time"} & set(by_name(listing))
+    assert "modules" not in run(list_variables(kc, include_private=True, limit=10_000))
 
 
 def test_list_is_bounded(kernel):
