@@ -173,3 +173,20 @@ def gateway_for_openapi(tmp_path_factory):
     gw = GatewayProcess(tmp_path_factory.mktemp("openapi"), "--Gateway.spare_kernels=False").start()
     yield gw
     gw.stop()
+
+
+def test_the_whole_document_is_valid_openapi_3_1():
+    """Against the official OpenAPI 3.1 meta-schema, not only its JSON Schemas."""
+    import json
+
+    from openapi_spec_validator import validate
+    from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
+
+    document = json.loads(json.dumps(DOC))  # as it is served: JSON, keys are strings
+    validate(document)
+    # The validator does see a misplaced field (a media type object has no description).
+    broken = json.loads(json.dumps(DOC))
+    broken["paths"]["/v1/agents/{agent}/sessions"]["get"]["responses"]["200"]["content"]["application/json"][
+        "description"] = "not allowed here"
+    with pytest.raises(OpenAPIValidationError):
+        validate(broken)
