@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import urllib.parse
 import uuid
 
 from jupyter_client.session import Session
 from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1, serialize_msg_to_ws_v1
-from tornado import httpclient, websocket
+from tornado import httpclient, netutil, websocket
 
 V1 = "v1.kernel.websocket.jupyter.org"
 
@@ -42,6 +43,16 @@ class JupyterClient:
             return response.status, payload
 
 
+class UnixResolver(netutil.Resolver):
+    """Every host name resolves to one Unix socket: websockets to the gateway's sockets."""
+
+    def initialize(self, path: str) -> None:
+        self.path = path
+
+    async def resolve(self, host, port, family=socket.AF_UNSPEC):
+        return [(socket.AF_UNIX, self.path)]
+
+
 class KernelSocket:
     """A websocket on /api/kernels/{id}/channels, in the legacy or the v1 protocol."""
 
@@ -52,12 +63,14 @@ class KernelSocket:
 
     @classmethod
     async def connect(cls, base_url: str, kernel_id: str, token: str | None, protocol: str | None = None,
-                      session_id: str | None = None) -> "KernelSocket":
+                      session_id: str | None = None, unix_socket: str | None = None) -> "KernelSocket":
+        """``base_url`` is http://host:port/agents/A/, or with ``unix_socket`` http://kg/agents/A/ on that socket."""
         session_id = session_id or uuid.uuid4().hex
         url = f"{base_url.replace('http://', 'ws://')}api/kernels/{kernel_id}/channels?session_id={session_id}"
         headers = {"Authorization": f"token {token}"} if token else {}
         ws = await websocket.websocket_connect(
-            httpclient.HTTPRequest(url, headers=headers), subprotocols=[protocol] if protocol else None
+            httpclient.HTTPRequest(url, headers=headers), subprotocols=[protocol] if protocol else None,
+            resolver=UnixResolver(path=unix_socket) if unix_socket else None,
         )
         assert ws.selected_subprotocol == protocol
         return cls(ws, protocol, session_id)

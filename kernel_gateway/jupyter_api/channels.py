@@ -23,7 +23,6 @@ observed ones and the idle culler never takes a kernel busy over a websocket.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -32,6 +31,7 @@ import zmq
 from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.session import Session as ZMQSession
 
+from .. import json_input
 from ..errors import GatewayError
 from ..sessions import LIVE_STATES
 
@@ -44,6 +44,7 @@ BUFFER_MAX_BYTES = 32 << 20
 WATCH_SECONDS = 0.5
 MAX_BRIDGES = 256  # open or buffering, in all: each holds four ZMQ sockets (--Gateway.max_websockets_total)
 MAX_BRIDGES_PER_AGENT = 32  # --Gateway.max_websockets_per_agent
+HEADER_MAX = 1 << 20  # a kernel message's header or status content, as read here (bounded, then parsed)
 
 # deliver(channel, parts): parts are [header, parent_header, metadata, content, *buffers] (bytes).
 Deliver = Callable[[str, list], None]
@@ -174,17 +175,17 @@ class Bridge:
 
     def _is_nudge(self, parts: list) -> bool:
         try:
-            return json.loads(parts[1]).get("msg_id") in self._nudges
+            return json_input.loads(parts[1], max_bytes=HEADER_MAX, what="a parent header").get("msg_id") in self._nudges
         except (ValueError, AttributeError):
             return False
 
     def _observe(self, parts: list) -> None:
         """The kernel's execution state, from its iopub status messages."""
         try:
-            header = json.loads(parts[0])
+            header = json_input.loads(parts[0], max_bytes=HEADER_MAX, what="a header")
             if header.get("msg_type") != "status":
                 return
-            state = json.loads(parts[3]).get("execution_state")
+            state = json_input.loads(parts[3], max_bytes=HEADER_MAX, what="a status").get("execution_state")
         except (ValueError, AttributeError, TypeError):
             return
         session = self._gateway()

@@ -1,12 +1,24 @@
-"""The base of every HTTP handler: JSON in and out, errors, agent scoping, audit.
+"""The one base of every HTTP handler: JSON in and out, errors, agent scoping, audit.
+
+Every handler family derives from :class:`BaseHandler`: ``/v1``, the
+Library, jobs, tokens, the Jupyter Server API and its kernel websocket
+(``ChannelsHandler`` is a ``WebSocketHandler`` over this same base), and
+whatever comes next (``tests/test_source_guards.py`` fails on a handler that
+does not).  So there is one body parser (:meth:`BaseHandler.json_value`:
+size checked before parsing, then :mod:`kernel_gateway.json_input`), one
+error renderer (:meth:`BaseHandler.write_error`, with the host-path scrub)
+and one agent scoping (:meth:`BaseHandler.agent_arg`).
 
 Handlers stay thin: parse, call the core, render.  Whatever goes wrong
 reaches the client as ``{"error": {"code", "message", "hint"}}`` with a
 fitting status, never as a traceback; an unexpected exception (a 500) is a
-bug, logged with its traceback.  On an agent socket every route is scoped to
-that one agent (``me`` is its alias); anything else is 403, and no response
-names a path of the gateway's state directory.  Each agent socket has a cap
-on requests in flight, so one agent cannot tie up the event loop's work.
+bug, logged with its traceback.  Jupyter routes put Jupyter Server's
+``message`` and ``reason`` beside that object (``jupyter_errors``).  On an
+agent socket every route is scoped to that one agent (``me`` is its alias);
+on the Jupyter TCP port every request carries a token of the agent its URL
+names; anything else is 403, and no response to an agent names a path of
+the gateway's state directory.  Each agent socket has a cap on requests in
+flight, so one agent cannot tie up the event loop's work.
 """
 
 from __future__ import annotations
@@ -20,7 +32,9 @@ from typing import Any
 
 from tornado import iostream, web
 
+from .. import json_input
 from ..errors import GatewayError, bad_request, disk_full
+from ..workspace import check_agent_key
 
 log = logging.getLogger("kernel_gateway")
 request_log = logging.getLogger("kernel_gateway.requests")
@@ -28,7 +42,7 @@ request_log = logging.getLogger("kernel_gateway.requests")
 KEEPALIVE_SECONDS = 10.0
 NDJSON = "application/x-ndjson"
 
-MAX_JSON_DEPTH = 64  # arrays and objects; deeper bodies are refused, not recursed into
+MAX_JSON_DEPTH = json_input.MAX_DEPTH  # arrays and objects; deeper bodies are refused, not recursed into
 # Where the agent's own socket sits inside its sandboxes.
 SANDBOX_SOCKET = "/run/kernel-gateway.sock"
 
@@ -49,10 +63,13 @@ class BaseHandler(web.RequestHandler):
     """JSON handlers over the plain-Python core in ``self.core``."""
 
     tool = "api"
+    jupyter_errors = False  # errors also carry Jupyter Server's "message" and "reason"
+    takes_request_slot = True  # a websocket lives long: it has caps of its own instead
 
-    def initialize(self, core: Any, scope: str | None = None, route: str = "") -> None:
+    def initialize(self, core: Any, scope: str | None = None, route: str = "", tcp: bool = False) -> None:
         self.core = core
-        self.scope = scope  # the agent of an agent socket; None on the control socket
+        self.scope = scope  # the agent of an agent socket; None on the control socket and the TCP port
+        self.tcp = tcp  # the Jupyter TCP port: every request carries a token of the agent its URL names
         self.route = route  # the route pattern, for the log: /v1/agents/{agent}/sessions
         self._started = time.monotonic()
         self._agent: str | None = None
@@ -65,7 +82,7 @@ class BaseHandler(web.RequestHandler):
         self.set_header("Cache-Control", "no-store")
 
     def prepare(self) -> None:
-        if self.scope is not None:
+        if self.scope is not None and self.takes_request_slot:
             self._take_request_slot()
         limit = self.core.settings.max_body_size
         if len(self.request.body or b"") > limit:
@@ -99,8 +116,10 @@ class BaseHandler(web.RequestHandler):
     # --- parsing ----------------------------------------------------------------
 
     def agent_arg(self, agent: str) -> str:
-        """The agent a route names, checked against the socket's scope."""
-        if self.scope is not None:
+        """The agent a route names, checked against the socket's scope (or, on the TCP port, the token)."""
+        if self.tcp:
+            check_token(self.core, agent, self.request_token())
+        elif self.scope is not None:
             if agent == "me":
                 agent = self.scope
             if agent != self.scope:
@@ -112,6 +131,14 @@ class BaseHandler(web.RequestHandler):
         self._agent = agent
         return agent
 
+    def request_token(self) -> str | None:
+        """The token of a request, as Jupyter Server reads it: the Authorization header, then ?token=."""
+        header = self.request.headers.get("Authorization", "")
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() in ("token", "bearer") and value.strip():
+            return value.strip()
+        return self.get_query_argument("token", None)
+
     def session_arg(self, session: str) -> str:
         self._session = session
         return session
@@ -120,12 +147,26 @@ class BaseHandler(web.RequestHandler):
         if self.scope is not None:
             raise GatewayError(403, "forbidden", "this route is only on the control socket")
 
+    def json_value(self, raw: bytes | str | None = None) -> Any:
+        """The body (or ``raw``) as JSON: the one parser of request data (see :func:`parse_json`)."""
+        return parse_json(self.request.body if raw is None else raw, self.core.settings.max_body_size)
+
+    def json_object(self, raw: bytes | str | None = None, hint: str = "") -> dict:
+        body = self.json_value(raw)
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object", hint, code="malformed_json")
+        return body
+
     def json_body(self, fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
         """The body as a JSON object with only ``fields`` (name -> type or tuple of types)."""
-        body = parse_json(self.request.body or b"{}")
-        if not isinstance(body, dict):
-            raise bad_request("the body must be a JSON object", code="malformed_json")
-        return check_fields(body, fields, required)
+        return check_fields(self.json_object(self.request.body or b"{}"), fields, required)
+
+    async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Disk work on an agent's tree (anything agent-sized) runs on a worker thread within the agent's
+        share (``core.workers``: fs/workers.py), never on the loop.  Call it after :meth:`agent_arg`."""
+        if self._agent is None:
+            raise RuntimeError("off_loop before agent_arg: whose share would this work count against?")
+        return await self.core.workers.run(self._agent, fn, *args, **kwargs)
 
     def query_int(self, name: str, default: int | None, minimum: int = 0) -> int | None:
         raw = self.get_query_argument(name, None)
@@ -154,36 +195,50 @@ class BaseHandler(web.RequestHandler):
         self.finish(text)
 
     def scrub(self, text: str) -> str:
-        """On an agent socket, no path of the gateway's state directory goes out.
+        """To an agent (its socket, or the TCP port), no path of the gateway's state directory goes out.
 
         Routes say the sandbox's paths themselves; this is the net under them
         (an error message that quotes a host path, say).
         """
-        if self.scope is None:
-            return text
-        state = self.core.settings.state_dir
-        for host, shown in ((self.core.agents.agent_socket(self.scope), SANDBOX_SOCKET),
-                            (state, "<gateway state>")):
+        if self.scope is None and not self.tcp:
+            return text  # the control socket: the operator's
+        agent = self.scope or self._agent
+        pairs = [(self.core.settings.state_dir, "<gateway state>")]
+        if agent is not None:
+            pairs.insert(0, (self.core.agents.agent_socket(agent), SANDBOX_SOCKET))
+        for host, shown in pairs:
             text = text.replace(json.dumps(host)[1:-1], shown)
         return text
 
+    def set_header(self, name: str, value: Any) -> None:
+        """Headers built from agent text (a contents path in ``Location``) refuse control characters as a 400."""
+        try:
+            super().set_header(name, value)
+        except ValueError:
+            raise bad_request(f"the {name} header of this answer would hold a control character",
+                              "use names without control characters (newline, tab, NUL)",
+                              code="unsafe_header") from None
+
     def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """The one error renderer: our error object (and Jupyter's fields beside it on Jupyter routes)."""
         error = kwargs.get("exc_info", (None, None, None))[1]
         error = disk_full(error) or error
         if isinstance(error, GatewayError):
-            body = error.to_json()
+            body = error.to_json()["error"]
         elif isinstance(error, web.HTTPError) and status_code < 500:
             body = {
-                "error": {
-                    "code": _HTTP_CODES.get(status_code, "http_error"),
-                    "message": error.log_message or self._reason,
-                    "hint": "see GET /v1/info and the README for the routes" if status_code in (404, 405) else "",
-                }
+                "code": _HTTP_CODES.get(status_code, "http_error"),
+                "message": error.log_message or self._reason,
+                "hint": "see GET /v1/info and the README for the routes" if status_code in (404, 405) else "",
             }
         else:
-            body = {"error": {"code": "internal", "message": "internal error", "hint": "see the gateway's log"}}
+            body = {"code": "internal", "message": "internal error", "hint": "see the gateway's log"}
+        answer: dict = {"error": body}
+        if self.jupyter_errors:
+            # Jupyter clients read 'message' (and 'reason'); ours read 'error'.
+            answer = {"message": body["message"], "reason": self._reason, "error": body}
         self.set_header("Content-Type", "application/json")
-        self.finish(self.scrub(json.dumps(body)))
+        self.finish(self.scrub(json.dumps(answer)))
 
     def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
         error = kwargs.get("exc_info", (None, None, None))[1]
@@ -222,6 +277,23 @@ class BaseHandler(web.RequestHandler):
         )
 
 
+def check_token(core: Any, agent: str, token: str | None) -> None:
+    """On the TCP port, ``token`` must be one of ``agent``'s (else 403 ``invalid_token``).
+
+    The one check of a Jupyter token: :meth:`BaseHandler.agent_arg` and the
+    accept gate (``jupyter_routes.tcp_request_agent``, before a body is read).
+    """
+    try:
+        check_agent_key(agent)
+    except GatewayError:
+        raise GatewayError(403, "invalid_token", "a valid token of this agent is required") from None
+    if not core.jupyter.tokens.check(agent, token):
+        raise GatewayError(
+            403, "invalid_token", "missing or wrong token for agent " + repr(agent),
+            f"mint one on the control socket: POST /v1/agents/{agent}/tokens, or `kernel-gateway token {agent}`",
+        )
+
+
 def log_request(handler: web.RequestHandler) -> None:
     """The access line: method, route pattern, agent, status, duration (never the body)."""
     status = handler.get_status()
@@ -250,40 +322,19 @@ def route_label(pattern: str) -> str:
     return label.removesuffix("/?").removesuffix("$") or "/"
 
 
-def parse_json(raw: bytes | str) -> Any:
+def parse_json(raw: bytes | str, max_bytes: int) -> Any:
     """A request body as JSON, refusing what would trip up the code behind it.
 
-    Refused with 400 ``malformed_json``: invalid JSON or UTF-8, ``NaN`` and
-    ``Infinity``, nesting deeper than :data:`MAX_JSON_DEPTH`, and strings
-    (or keys) holding lone surrogates, which no file, kernel or log can take.
+    Refused with 400 ``malformed_json`` (see :mod:`kernel_gateway.json_input`):
+    more than ``max_bytes`` (checked before parsing), invalid JSON or UTF-8,
+    ``NaN`` and ``Infinity``, nesting deeper than :data:`MAX_JSON_DEPTH`, and
+    strings (or keys) holding lone surrogates.
     """
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not a JSON number")
-
     try:
-        body = json.loads(raw, parse_constant=no_constants)
-    except RecursionError:
-        raise bad_request(f"the body is nested deeper than {MAX_JSON_DEPTH} levels", code="malformed_json") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
-    todo = [(body, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if isinstance(value, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise bad_request(f"the body is nested deeper than {MAX_JSON_DEPTH} levels", code="malformed_json")
-            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
-            for key, item in items:
-                if key is not None:
-                    todo.append((key, depth))
-                todo.append((item, depth + 1))
-        elif isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad_request("the body holds a string with a lone surrogate (\\ud800-\\udfff)",
-                                  "send valid Unicode text", code="malformed_json") from None
-    return body
+        return json_input.loads(raw, max_bytes=max_bytes, what="the body")
+    except json_input.JSONRefused as e:
+        hint = "send valid Unicode text" if "surrogate" in str(e) else ""
+        raise bad_request(str(e), hint, code="malformed_json") from None
 
 
 def check_fields(body: dict, fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict:

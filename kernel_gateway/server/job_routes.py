@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
-from ..errors import bad_request
 from ..jobs import check_job_id
 from .base import BaseHandler
 
@@ -15,11 +12,7 @@ class JobsHandler(BaseHandler):
     def post(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         self.core.agents.require_agent(agent)
-        raw = self.request.body or b""
-        try:
-            body = json.loads(raw or b"{}")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
+        body = self.json_value(self.request.body or b"{}")
         self.send_json(self.core.jobs.submit(agent, body), 201)
 
     def get(self, agent: str) -> None:

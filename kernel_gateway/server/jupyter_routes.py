@@ -4,10 +4,12 @@ Served three ways: on the loopback TCP port, where every request carries a
 token of the agent its URL names (``Authorization: token T`` or
 ``?token=T``); on the control socket (mode 0600, root only: no token, like
 every other route there); and on each agent's socket under ``/agents/me/``,
-scoped to that agent as every route there is.  Errors carry Jupyter Server's
-``message`` and ``reason`` beside our own ``error`` object, so Jupyter
-clients and ours both read them.  Tokens are minted on the control socket:
-``POST /v1/agents/{agent}/tokens``.
+scoped to that agent as every route there is.  The handlers derive from the
+one HTTP base (``base.BaseHandler``): its body parser, its agent scoping (the
+token check included) and its error renderer, which on these routes puts
+Jupyter Server's ``message`` and ``reason`` beside our own ``error`` object,
+so Jupyter clients and ours both read them.  Tokens are minted on the
+control socket: ``POST /v1/agents/{agent}/tokens``.
 """
 
 from __future__ import annotations
@@ -17,13 +19,10 @@ import re
 import urllib.parse
 from typing import Any
 
-from tornado import web
-
 from .. import __version__
 from ..errors import GatewayError, bad_request
 from ..jupyter_api.kernels import iso8601
-from ..workspace import check_agent_key
-from .base import BaseHandler
+from .base import BaseHandler, check_token
 
 
 def api_path(group: str | None) -> str:
@@ -35,15 +34,6 @@ try:
     from jupyter_server import __version__ as JUPYTER_SERVER_VERSION
 except ImportError:  # the API is ours; the version only tells clients which one it follows
     JUPYTER_SERVER_VERSION = "2.14.0"
-
-
-def request_token(handler: Any) -> str | None:
-    """The token of a request, as Jupyter Server reads it: the Authorization header, then ?token=."""
-    header = handler.request.headers.get("Authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() in ("token", "bearer") and value.strip():
-        return value.strip()
-    return handler.get_query_argument("token", None)
 
 
 def tcp_request_agent(core: Any, path: str, headers: Any) -> str:
@@ -62,30 +52,7 @@ def tcp_request_agent(core: Any, path: str, headers: Any) -> str:
     token = value.strip() if scheme.lower() in ("token", "bearer") and value.strip() else None
     if token is None:
         token = (urllib.parse.parse_qs(urllib.parse.urlsplit(path).query).get("token") or [None])[-1]
-    resolve_agent(core, None, True, agent, token)
-    return agent
-
-
-def resolve_agent(core: Any, scope: str | None, tcp: bool, agent: str, token: str | None) -> str:
-    """The agent a Jupyter request may act for, or a 403/404 GatewayError."""
-    if tcp:
-        try:
-            check_agent_key(agent)
-        except GatewayError:
-            raise GatewayError(403, "invalid_token", "a valid token of this agent is required") from None
-        if not core.jupyter.tokens.check(agent, token):
-            raise GatewayError(
-                403, "invalid_token",
-                "missing or wrong token for agent " + repr(agent),
-                f"mint one on the control socket: POST /v1/agents/{agent}/tokens, or `kernel-gateway token {agent}`",
-            )
-    elif scope is not None:
-        if agent == "me":
-            agent = scope
-        if agent != scope:
-            raise GatewayError(403, "forbidden", f"this socket belongs to agent {scope!r}; {agent!r} is out of reach")
-    elif agent == "me":
-        raise bad_request("'me' only means something on an agent socket", "name the agent", code="invalid_agent")
+    check_token(core, agent, token)  # the same check as the handlers' (BaseHandler.agent_arg)
     core.jupyter.require_agent(agent)
     return agent
 
@@ -94,48 +61,29 @@ class JupyterHandler(BaseHandler):
     """A Jupyter API route of one agent; the agent is the first path group."""
 
     tool = "jupyter"
-
-    def initialize(self, core: Any, scope: str | None = None, tcp: bool = False, route: str = "") -> None:
-        super().initialize(core, scope, route)
-        self.tcp = tcp
+    jupyter_errors = True
 
     def prepare(self) -> None:
         super().prepare()
-        url_agent = self.path_args[0] if self.path_args else ""
-        self.agent = resolve_agent(self.core, self.scope, self.tcp, url_agent, request_token(self))
-        self._agent = self.agent
-        self.url_agent = url_agent
+        self.url_agent = self.path_args[0] if self.path_args else ""
+        self.agent = self.agent_arg(self.url_agent)
+        self.core.jupyter.require_agent(self.agent)
         self.kernels = self.core.jupyter.kernels(self.agent)
 
     @property
     def base_url(self) -> str:
         return f"/agents/{self.url_agent}/"
 
+    def url(self, *parts: str) -> str:
+        """A URL of this agent's API, each part (agent text: a contents path) percent-encoded."""
+        return self.base_url + "/".join(urllib.parse.quote(p, safe="/") for p in parts)
+
     def body(self, optional: bool = False) -> dict | None:
-        raw = self.request.body
-        if not raw:
+        if not self.request.body:
             if optional:
                 return None
             raise bad_request("No JSON data provided", code="malformed_json")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"Invalid JSON in body of request: {e}", code="malformed_json") from None
-        if not isinstance(body, dict):
-            raise bad_request("the body must be a JSON object", code="malformed_json")
-        return body
-
-    def write_error(self, status_code: int, **kwargs: Any) -> None:
-        error = kwargs.get("exc_info", (None, None, None))[1]
-        if isinstance(error, GatewayError):
-            body = error.to_json()["error"]
-        elif isinstance(error, web.HTTPError) and status_code < 500:
-            body = {"code": "http_error", "message": error.log_message or self._reason, "hint": ""}
-        else:
-            body = {"code": "internal", "message": "internal error", "hint": "see the gateway's log"}
-        self.set_header("Content-Type", "application/json")
-        # Jupyter clients read 'message' (and 'reason'); ours read 'error'.
-        self.finish(json.dumps({"message": body["message"], "reason": self._reason, "error": body}))
+        return self.json_object()
 
     def no_content(self) -> None:
         self.set_status(204)
@@ -197,7 +145,7 @@ class KernelsHandler(JupyterHandler):
         # GatewayClient sends its KERNEL_* variables; they are ignored: a client never
         # chooses what a sandboxed kernel's environment holds (LD_PRELOAD, PYTHONPATH, ...).
         model = await self.kernels.start(body.get("name"), body.get("path"))
-        self.set_header("Location", f"{self.base_url}api/kernels/{model['id']}")
+        self.set_header("Location", self.url("api/kernels", model["id"]))
         self.send_json(model, 201)
 
 
@@ -234,7 +182,7 @@ class SessionsHandler(JupyterHandler):
 
     async def post(self, agent: str) -> None:
         model = await self.kernels.create_session(self.body())
-        self.set_header("Location", f"{self.base_url}api/sessions/{model['id']}")
+        self.set_header("Location", self.url("api/sessions", model["id"]))
         self.send_json(model, 201)
 
 
@@ -262,11 +210,11 @@ class ContentsWork(JupyterHandler):
         return self.core.jupyter.contents(self.agent)
 
     async def work(self, fn, *args, **kwargs):
-        return await self.core.workers.run(self.agent, fn, *args, **kwargs)
+        return await self.off_loop(fn, *args, **kwargs)
 
     async def reply(self, model: Any, status: int = 200, location: bool = True) -> None:
         if location:
-            self.set_header("Location", f"{self.base_url}api/contents/{model['path']}")
+            self.set_header("Location", self.url("api/contents", model["path"]))
         text = await self.work(json.dumps, model)  # a 35 MB notebook is not encoded on the loop
         self.set_status(status)
         text = self.scrub(text)
@@ -331,7 +279,7 @@ class CheckpointsHandler(ContentsWork):
 
     async def post(self, agent: str, path: str | None) -> None:
         model = await self.work(self.contents().create_checkpoint, api_path(path))
-        self.set_header("Location", f"{self.base_url}api/contents/{path}/checkpoints/{model['id']}")
+        self.set_header("Location", self.url("api/contents", api_path(path), "checkpoints", model["id"]))
         await self.reply(model, 201, location=False)
 
 
@@ -348,11 +296,11 @@ class CheckpointHandler(ContentsWork):
 class JupyterNotFoundHandler(BaseHandler):
     """Unknown paths on the TCP port: a JSON 404 in Jupyter's shape."""
 
+    jupyter_errors = True
+
     def prepare(self) -> None:
         raise GatewayError(404, "no_route", f"no route {self.request.method} {self.request.path}",
                            "the API of an agent is under /agents/{agent}/api/")
-
-    write_error = JupyterHandler.write_error
 
 
 # --- tokens, on the control socket ------------------------------------------------

@@ -6,7 +6,6 @@ library is the operator's, and read-only to the agent.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .. import library
@@ -64,12 +63,7 @@ class SkillHandler(LibraryBase):
         if content_type in GZIP_TYPES or body[:2] == b"\x1f\x8b":
             files = library.files_from_tar_gz(name, body)
         else:
-            try:
-                parsed = json.loads(body or b"null")
-            except (ValueError, UnicodeDecodeError) as e:
-                raise bad_request(f"the body is not valid JSON: {e}",
-                                  'send {"files": {...}} or a tar.gz', code="malformed_json") from None
-            files = library.files_from_json(parsed)
+            files = library.files_from_json(self.json_value(body or b"null"))
         item, created = self.core.library.install_skill(agent, name, files)
         self.send_json(item, 201 if created else 200)
 
@@ -102,12 +96,7 @@ class DocumentHandler(LibraryBase):
         library.check_document_name(name)
         raw = self.request.body or b""
         if self.request.headers.get("Content-Type", "").startswith("application/json"):
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise bad_request(f"the body is not valid JSON: {e}", code="malformed_json") from None
-            if not isinstance(body, dict):
-                raise bad_request('the body must be {"text": "..."}', code="malformed_json")
+            body = self.json_object(raw, hint='send {"text": "..."}')
             text = check_fields(body, {"text": str}, required=("text",))["text"]
         else:
             try:

@@ -8,7 +8,7 @@ from .. import notebook_runs, variables
 from ..errors import bad_request
 from ..notebooks import NotebookStore
 from .. import fs
-from .base import BaseHandler, StreamingHandler, parse_json
+from .base import BaseHandler, StreamingHandler
 
 
 class NotebookBase(BaseHandler):
@@ -31,11 +31,6 @@ class NotebookBase(BaseHandler):
     def if_match(self) -> str | None:
         return self.request.headers.get("If-Match")
 
-    async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Store calls fsync and take a per-file lock that run-alls hold from threads: never on the loop,
-        and within the agent's share of the workers."""
-        return await self.core.workers.run(self._agent, fn, *args, **kwargs)
-
     def reply(self, result: dict, status: int = 200) -> None:
         if "etag" in result:
             self.set_header("ETag", result["etag"])
@@ -49,7 +44,7 @@ class NotebookHandler(NotebookBase):
 
     async def put(self, agent: str, path: str) -> None:
         store = self.store(agent)
-        notebook = parse_json(self.request.body or b"")
+        notebook = self.json_value(self.request.body or b"")
         if not isinstance(notebook, dict):
             raise bad_request("the body must be a notebook (a JSON object)", code="malformed_json")
         result = await self.off_loop(store.put, path, notebook, if_match=self.if_match())

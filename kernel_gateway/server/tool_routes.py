@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import GatewayError, bad_request
 from ..tools import read_file
 from ..tools.command import REQUEST_KEYS
-from .base import BaseHandler, StreamingHandler, check_fields, parse_json
+from .base import BaseHandler, StreamingHandler, check_fields
 
 
 class CommandHandler(StreamingHandler):
@@ -81,9 +81,7 @@ class PatchHandler(BaseHandler):
         if content_type.startswith("application/json") or (
             not content_type.startswith("text/") and text.lstrip().startswith("{")
         ):
-            body = parse_json(text)
-            if not isinstance(body, dict):
-                raise bad_request("the body must be a JSON object", code="malformed_json")
+            body = self.json_object(text)
             check_fields(body, {"patch": str, "cwd": str}, required=("patch",))
             text, cwd = body["patch"], body.get("cwd", ".")
         if not text.strip():

@@ -1,0 +1,71 @@
+"""The one parser of JSON the gateway did not write itself: request bodies, websocket frames, kernel replies.
+
+Everything an agent or a kernel sends is hostile, so a text is bounded
+before it is parsed: its size is checked first, then it is decoded with
+``NaN``/``Infinity`` refused, nesting deeper than :data:`MAX_DEPTH` refused
+(the C decoder stops at the interpreter's recursion limit, long before a
+10^6-deep text costs anything; the walk after it enforces the lower bound)
+and strings or keys holding lone surrogates refused, since no file, kernel
+or log can take them.  Whatever goes wrong is one :class:`JSONRefused`
+(a ``ValueError``) with a message fit for the client: this parser never
+throws anything else, so a caller turns it into a 4xx, a websocket refusal
+or a kernel-reply error, never a 500.  Core modules use it directly; the
+HTTP base (``server/base.py: parse_json``) turns it into 400 ``malformed_json``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_DEPTH = 64  # arrays and objects; deeper texts are refused, not recursed into
+
+
+class JSONRefused(ValueError):
+    """A text that is not JSON the gateway will take; the message says why."""
+
+
+def loads(raw: bytes | str, *, max_bytes: int, what: str = "the body", max_depth: int = MAX_DEPTH) -> Any:
+    """``raw`` as JSON, or :class:`JSONRefused`; ``raw`` longer than ``max_bytes`` is refused unread."""
+    if not isinstance(raw, (bytes, bytearray, memoryview, str)):
+        raise JSONRefused(f"{what} is not text")
+    if len(raw) > max_bytes:  # (a str's length in characters: at most its size in UTF-8 bytes)
+        raise JSONRefused(f"{what} is {len(raw)} bytes; the limit is {max_bytes}")
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        value = json.loads(bytes(raw) if isinstance(raw, memoryview) else raw, parse_constant=no_constants)
+    except RecursionError:
+        raise JSONRefused(f"{what} is nested deeper than {max_depth} levels") from None
+    except MemoryError:
+        raise JSONRefused(f"{what} is too large to decode") from None
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
+        raise JSONRefused(f"{what} is not valid JSON: {e}") from None
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            if depth > max_depth:
+                raise JSONRefused(f"{what} is nested deeper than {max_depth} levels")
+            if isinstance(item, dict):
+                for key, inner in item.items():
+                    todo.append((key, depth))
+                    todo.append((inner, depth + 1))
+            else:
+                todo.extend((inner, depth + 1) for inner in item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise JSONRefused(f"{what} holds a string with a lone surrogate (\\ud800-\\udfff)") from None
+    return value
+
+
+def loads_object(raw: bytes | str, *, max_bytes: int, what: str = "the body") -> dict:
+    """As :func:`loads`, and the value must be a JSON object."""
+    value = loads(raw, max_bytes=max_bytes, what=what)
+    if not isinstance(value, dict):
+        raise JSONRefused(f"{what} must be a JSON object")
+    return value
