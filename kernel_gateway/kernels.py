@@ -89,6 +89,9 @@ class KernelOptions:
     log_max_bytes: int = 4 << 20  # the agent's kernel log, every kernel and restart together (then rotated)
 
 
+MAX_EXECUTION_COUNT = 1 << 53  # what a JSON number holds exactly; a larger one is no count
+
+
 class Kernel:
     """A running sandboxed kernel: its id, its manager, and the clients attached to it.
 
@@ -96,8 +99,10 @@ class Kernel:
     reads another's replies: ``kc`` is the gateway's executor, ``probe`` the
     variables inspector, :meth:`connect` hands out more (Jupyter websockets).
     A watcher client reads iopub only and keeps the observed state:
-    ``execution_state`` (``starting | idle | busy | dead``) and
-    ``last_activity``, as jupyter_server's ``start_watching_activity`` does.
+    ``execution_state`` (``starting | idle | busy | dead``),
+    ``last_activity``, as jupyter_server's ``start_watching_activity`` does,
+    and ``execution_count``, from the ``execute_input`` every client's cell
+    announces (the executor's, a Jupyter websocket's, a paired JupyterLab's).
     """
 
     def __init__(self, km: AsyncKernelManager, kc: Any, output: KernelOutput, *, agent: str = "", kernel_id: str = ""):
@@ -107,6 +112,7 @@ class Kernel:
         self.id = kernel_id or str(uuid.uuid4())
         self.agent = agent
         self.execution_state = "starting"
+        self.execution_count = 0
         self.last_activity = time.time()
         self.connections = 0
         self.on_death: Callable[["Kernel"], Any] | None = None
@@ -250,7 +256,11 @@ class Kernel:
                         return
                     continue
                 self.last_activity = time.time()
-                if msg["header"].get("msg_type") == "status":
+                if msg["header"].get("msg_type") == "execute_input":
+                    count = msg["content"].get("execution_count")
+                    if type(count) is int and 0 < count < MAX_EXECUTION_COUNT:  # the kernel's word: checked
+                        self.execution_count = count
+                elif msg["header"].get("msg_type") == "status":
                     state = msg["content"].get("execution_state")
                     if state in ("starting", "idle", "busy"):
                         self.execution_state = state

@@ -64,6 +64,13 @@ class Session:
     def activity(self) -> float:
         return max(self.last_activity, self.kernel.last_activity if self.kernel else 0.0)
 
+    @property
+    def cells_run(self) -> int:
+        """Observed: the kernel's execution count, whichever client ran its cells; else the last known."""
+        if self.kernel is not None and self.kernel.execution_count:
+            return self.kernel.execution_count
+        return self.execution_count
+
     def to_json(self) -> dict:
         return {
             "id": self.id,
@@ -76,7 +83,7 @@ class Session:
             "connections": self.kernel.connections if self.kernel else 0,
             "cwd": self.cwd or self.directory,
             "directory": self.directory,
-            "execution_count": self.execution_count,
+            "execution_count": self.cells_run,
             "created": self.created,
             "last_activity": self.activity,
             "pid": self.kernel.pid if self.kernel else None,
@@ -90,7 +97,7 @@ class Session:
             "kernel": self.kernel_name,
             "cwd": self.cwd or self.directory,
             "directory": self.directory,
-            "execution_count": self.execution_count,
+            "execution_count": self.cells_run,
             "created": self.created,
             "last_activity": self.activity,
         }

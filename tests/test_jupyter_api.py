@@ -515,3 +515,27 @@ def test_a_disabled_live_kernel_skill_closes_the_kernel_routes(gw):
         assert erin.call("GET", "api/contents")[0] == 200  # files stay reachable
     finally:
         gw.client.call("PATCH", "/v1/agents/erin/skills/jupyter-live-kernel", {"enabled": True})
+
+
+def test_cells_a_jupyter_client_runs_count_in_the_session(gw, alice):
+    """``jlk sessions`` reads execution_count from the kernel, whoever ran the cells (a browser too)."""
+    assert gw.client.execute("alice", "counted", "1")[0] == 200
+    kernel_id = v1_sessions(gw)["counted"]["kernel_id"]
+
+    async def two_cells_from_a_websocket():
+        ks = await KernelSocket.connect(alice.base_url, kernel_id, alice.token, V1)
+        try:
+            for code in ("2", "3"):
+                assert (await ks.run(code))["reply"]["status"] == "ok"
+        finally:
+            ks.close()
+
+    run(two_cells_from_a_websocket())
+    assert wait_until(lambda: v1_sessions(gw)["counted"]["execution_count"] == 3), v1_sessions(gw)["counted"]
+    # The agent's own next cell follows on from there.
+    status, body = gw.client.execute("alice", "counted", "4")
+    assert status == 200 and body["execution_count"] == 4, body
+    assert v1_sessions(gw)["counted"]["execution_count"] == 4
+    # A kernel's restart starts the count again.
+    assert gw.client.call("POST", "/v1/agents/alice/sessions/counted/restart")[0] == 200
+    assert v1_sessions(gw)["counted"]["execution_count"] == 0
