@@ -353,6 +353,18 @@ def test_sigterm_stops_lab_too(gw, tmp_path):
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), timeout=30)
 
 
+def test_a_clean_start_and_stop_print_no_error(gw, tmp_path):
+    """No browser ever opened it: stopping it printed jupyter_server_ydoc's "WebsocketServer not running"
+    traceback (its collaboration server only starts when a document is opened)."""
+    log = tmp_path / "lab.log"
+    quiet = LabProcess(gw, "alice", str(log), "--log-level", "INFO").start()
+    assert quiet.stop(signal.SIGTERM) == 0
+    text = open(log, errors="replace").read()
+    flagged = [line for line in text.splitlines()
+               if line.startswith(("[E ", "[W ", "[C ")) or "Traceback" in line or "exception" in line.lower()]
+    assert not flagged, text[-3000:]
+
+
 def test_the_lab_profile_has_the_walls_of_every_profile():
     from kernel_gateway.lab.command import sandbox_values
     from kernel_gateway.sandbox.profile import compile_profile, created_files, load_profile

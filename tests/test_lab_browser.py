@@ -271,3 +271,12 @@ def test_the_debugger_stops_at_a_breakpoint_in_the_sandboxed_kernel(gw, lab, pag
     page.screenshot(path=str(ARTIFACTS / "lab-debugger.png"))
     page.get_by_title(re.compile(r"^Continue")).first.click()
     expect(output_with(page, "result 42")).to_be_visible()
+
+
+def test_jupyterlabs_log_shows_no_error_or_warning_after_the_browser_sessions(lab):
+    """After every page above (notebooks the agent wrote opened, cells run, kernels restarted): no
+    error, no warning, no traceback in Lab's log: not the kernelspec logo's "Could not open static
+    file", not the websocket ping setting, not "Notebook ... is not trusted" on each load."""
+    text = open(lab.log_path, errors="replace").read()
+    flagged = [line for line in text.splitlines() if line.startswith(("[E ", "[W ", "[C ")) or "Traceback" in line]
+    assert not flagged, "\n".join(flagged)

@@ -162,6 +162,9 @@ def lab_argv(root: str, log_level: str) -> list[str]:
         # No network in the sandbox: nothing to check or install from.
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         "--LabApp.extension_manager=readonly",
+        # jupyter_server's websocket keep-alive is in milliseconds (30000, and a timeout of 3 pings) where
+        # tornado now reads seconds and warns that the timeout is longer than the interval: equal, no warning.
+        '--ServerApp.tornado_settings={"ws_ping_interval": 30000, "ws_ping_timeout": 30000}',
         f"--ServerApp.log_level={log_level}",
         f"--Application.log_level={log_level}",  # the extensions' own apps (LabApp, FileIdExtension) too
     ]
