@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import GatewayError, bad_request
+from ..fs.workers import json_text
 from ..jupyter_api.kernels import iso8601
 from .base import BaseHandler, check_token
 
@@ -215,7 +216,7 @@ class ContentsWork(JupyterHandler):
     async def reply(self, model: Any, status: int = 200, location: bool = True) -> None:
         if location:
             self.set_header("Location", self.url("api/contents", model["path"]))
-        text = await self.work(json.dumps, model)  # a 35 MB notebook is not encoded on the loop
+        text = await self.work(json_text, model)  # a 35 MB notebook is not encoded on the loop
         self.set_status(status)
         text = self.scrub(text)
         self._bytes_out += len(text)
