@@ -118,6 +118,31 @@ def test_a_port_out_of_range_is_a_usage_error(gw, port):
     assert _snapshot(gw) == before
 
 
+@pytest.mark.parametrize("refusal", ["no gateway", "unknown agent", "bad agent", "busy port"])
+def test_a_refusal_comes_before_jupyterlab_is_imported(gw, tmp_path, refusal):
+    """Importing JupyterLab takes seconds: a bad agent, a busy port or no gateway is refused without it."""
+    fake = tmp_path / "fake-lab"
+    marker = tmp_path / "imported"
+    for module in ("jupyterlab", "jupyter_collaboration", "jupyter_server_ydoc"):
+        (fake / module).mkdir(parents=True)
+        (fake / module / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write({module!r} + '\\n')\n")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    args = {
+        "no gateway": ("alice", "--socket", str(tmp_path / "nowhere.sock")),
+        "unknown agent": ("carol", "--socket", gw.socket),
+        "bad agent": ("../alice", "--socket", gw.socket),
+        "busy port": ("alice", "--socket", gw.socket, "--port", str(taken.getsockname()[1])),
+    }[refusal]
+    try:
+        done = run_lab_command(*args, env=dict(os.environ, PYTHONPATH=str(fake)))
+    finally:
+        taken.close()
+    assert done.returncode in (1, 2) and done.stderr.startswith("kernel-gateway lab: "), done.stderr
+    assert not marker.exists(), f"JupyterLab was imported before the refusal: {marker.read_text()}"
+
+
 def test_a_missing_lab_extra_says_what_to_install(gw):
     before = _snapshot(gw)
     # The lab extra's packages made unimportable in this one process (None in sys.modules: ImportError).

@@ -3,10 +3,12 @@
 What it does, in order (each failure is a message and exit status 1, or 2
 for a bad argument, before anything has been started or changed):
 
-1. checks that the ``lab`` extra is installed (jupyterlab, jupyter-collaboration);
-2. asks the gateway's control socket for the agent (``GET /v1/agents/{agent}``):
-   its tree and the host path of its socket;
-3. binds ``127.0.0.1:PORT``;
+1. checks the agent's name, asks the gateway's control socket for the agent
+   (``GET /v1/agents/{agent}``): its tree and the host path of its socket;
+2. binds ``127.0.0.1:PORT``;
+3. checks that the ``lab`` extra is installed (jupyterlab, jupyter-collaboration),
+   by finding its modules, not importing them: importing JupyterLab takes
+   seconds, and a bad agent, a busy port or no gateway is refused at once;
 4. starts ``python -m kernel_gateway.lab.server`` in the ``lab`` sandbox
    profile, as the agent's host uid (the owner of its tree, as for its
    kernels): the agent's tree read-write, the Python environment read-only,
@@ -63,11 +65,15 @@ class LabError(Exception):
 
 
 def check_lab_installed() -> None:
+    import importlib.util
+
     missing = []
     for module in LAB_MODULES:
         try:
-            __import__(module)
-        except ImportError:
+            found = importlib.util.find_spec(module) is not None  # found, not imported (that takes seconds)
+        except (ImportError, ValueError):
+            found = False
+        if not found:
             missing.append(module)
     if missing:
         raise LabError(
@@ -267,7 +273,6 @@ class LabProcess:
 
 
 async def run(args: argparse.Namespace) -> int:
-    check_lab_installed()
     try:
         agent = check_agent_key(args.agent)
     except GatewayError as e:
@@ -278,6 +283,11 @@ async def run(args: argparse.Namespace) -> int:
     run_as = tree_owner(root)
     profile = lab_profile(args.profile, root)
     listener = listen(args.port)
+    try:
+        check_lab_installed()
+    except LabError:
+        listener.close()
+        raise
     port = listener.getsockname()[1]
     runtime_dir = tempfile.mkdtemp(prefix="kg-lab-")
     lab = None
