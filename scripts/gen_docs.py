@@ -75,6 +75,7 @@ class Block:
     fence: str = "console"
     session: str | None = None  # SKILL blocks: $JLK_SESSION of the agent typing them
     setup: list[str] = field(default_factory=list)  # run first on the control socket, not shown
+    capture: object = None  # instead of steps: a function of the Run giving the text to show
 
 
 @dataclass
@@ -88,10 +89,23 @@ class Run:
     job_ids: dict = field(default_factory=dict)  # random job id -> its stable stand-in
 
 
+def banner(run: Run) -> str:
+    """What ``kernel-gateway serve --demo`` printed when it started (the quick start's sample)."""
+    lines = Path(run.gateway.log).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if " listening on " in line)
+    shown = [lines[start]]
+    for line in lines[start + 1:]:
+        if not (line.startswith("  ") or line.startswith("Try, in another terminal")):
+            break
+        shown.append(line)
+    return "\n".join(shown) + "\n"
+
+
 def readme_blocks() -> dict[str, Block]:
     curl = "curl -s --unix-socket var/state/control.sock"
     jlk = ".venv/bin/jlk --socket var/state/control.sock --agent alice --session main"
     return {
+        "readme-banner": Block("README.md", [], fence="", capture=banner),
         "readme-session": Block("README.md", [
             Step(f"{curl} -X PUT http://kg/v1/agents/alice"),
             Step(f"{curl} -X POST http://kg/v1/agents/alice/sessions/main/execute "
@@ -278,8 +292,13 @@ NEW_JOB = re.compile(r"^job ([0-9a-f]{12}) ", re.M)
 JOB_PLACEHOLDER = re.compile(r"<job-(\d+)>")
 
 
+LOOPBACK_PORT = re.compile(r"\b127\.0\.0\.1:\d+")
+
+
 def mask(text: str, run: Run) -> str:
     text = text.replace(str(run.base), SHOWN_DIR)
+    text = text.replace(str(REPO), SHOWN_DIR)  # the checkout: its .venv is the one shown in /tmp/kgd
+    text = LOOPBACK_PORT.sub("127.0.0.1:<port>", text)
     # New cells get random ids: each is shown as <id-N>, N counting from the first one made.
     for cell_id in NEW_CELL.findall(text):
         run.cell_ids.setdefault(cell_id, f"<id-{len(run.cell_ids) + 1}>")
@@ -319,6 +338,8 @@ def shorten(output: str, step: Step) -> str:
 
 
 def render(name: str, block: Block, run: Run) -> str:
+    if block.capture is not None:
+        return f"```{block.fence}\n{mask(block.capture(run), run).rstrip()}\n```\n"
     for command in block.setup:
         code, output = shell(run, command, run.base, run.env)
         if code != 0:

@@ -108,3 +108,10 @@ def test_skill_md_examples_run_against_serve_demo_with_nothing_seeded():
     assert '"--demo"' in source
     # The examples make their own data: the demo agent's user-files starts empty.
     assert "write_text" not in source and "user-files" not in source
+
+
+def test_the_quick_starts_sample_banner_is_the_one_serve_demo_prints():
+    readme = gen_docs.FILES["README.md"].read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "<!-- [[[gen readme-banner]]] -->" in quick_start  # generated, so it cannot drift from the real one
+    assert gen_docs.all_blocks()["readme-banner"].capture is gen_docs.banner
