@@ -28,6 +28,7 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.session import Session
 from traitlets.config import Config
 
+from . import variables
 from .execution import bound_iopub
 from .kernel_output import KernelOutput
 from .provisioner import kernelspec_dict
@@ -225,7 +226,7 @@ class Kernel:
 
     # --- observed state -----------------------------------------------------
 
-    def _new_client(self, **channels: bool) -> Any:
+    def _new_client(self, bound: Callable[[Any], None] | None = None, **channels: bool) -> Any:
         """A client with sockets and a Jupyter session of its own.
 
         Sharing the manager's session object between two clients that send on
@@ -235,6 +236,8 @@ class Kernel:
         client = self.km.client(session=session)
         if channels.get("iopub", True):
             bound_iopub(client)  # every iopub reader of the gateway is bounded, not only the executor's
+        if bound is not None:
+            bound(client)
         client.start_channels(**channels)
         return client
 
@@ -325,8 +328,10 @@ class Kernel:
 
     def probe_client(self) -> Any:
         """The variables inspector's own client (shell only): it never reads the executor's replies."""
-        if self._probe is None:
-            self._probe = self._new_client(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        if self._probe is None or not self._probe.channels_running:  # (stopped after an oversized reply)
+            # Its replies are the kernel's to make: the shell socket takes none over the inspector's cap.
+            self._probe = self._new_client(bound=variables.bound_inspector,
+                                           shell=True, iopub=False, stdin=False, hb=False, control=False)
         return self._probe
 
     def connect(self, **channels: bool) -> Any:

@@ -16,23 +16,38 @@ threshold).  A weird object is described by its type and attribute names.
 
 The caller must not read the kernel's shell channel concurrently (hold the
 session's shell lock): replies that are not ours are skipped.
+
+The kernel is the agent's, so its reply is hostile too: the inspector's
+shell socket takes no message over :data:`MAX_REPLY_BYTES` (ZMQ drops the
+connection, which is watched, so a too-large reply is refused at once, not
+waited for), and the answer is bounded before it is parsed (a string literal
+of at most :data:`MAX_REPLY_CHARS`, then :mod:`kernel_gateway.json_input`).
+A kernel that refuses the inspection or answers garbage gets 409
+``inspection_failed`` / ``bad_kernel_reply``, never a 500.
 """
 
 from __future__ import annotations
 
 import ast
-import json
+import asyncio
 import keyword
 import queue
 import time
+import uuid
 from typing import Any
 
+import zmq
 from jupyter_client.asynchronous import AsyncKernelClient
 
+from kernel_gateway import json_input
 from kernel_gateway.errors import GatewayError, bad_request, not_found
 
 MAX_LIMIT = 10_000
 MAX_PREVIEW_CHARS = 1_000_000
+# The answer's text/plain: the repr of a JSON string (a 10,000-name listing or a 1,000,000-character
+# preview, escaped twice, fits); and the whole execute_reply, as the inspector's shell socket takes it.
+MAX_REPLY_CHARS = 8 << 20
+MAX_REPLY_BYTES = 32 << 20
 
 # Runs inside the kernel, via exec() in a fresh dict holding ``user_ns`` and
 # ``args``; it leaves its answer, a JSON string, in ``result``.
@@ -318,41 +333,106 @@ async def _inspect(kc: AsyncKernelClient, args: dict, timeout: float) -> dict:
         f"(lambda scope: (exec({_KERNEL_SOURCE!r}, scope), scope['result'])[1])"
         f"({{'user_ns': globals(), 'args': {args!r}}})"
     )
-    msg_id = kc.execute(
-        "", silent=True, store_history=False, user_expressions={"inspection": expression}, allow_stdin=False
-    )
-    reply = await _shell_reply(kc, msg_id, timeout)
-    if reply["status"] != "ok":
-        raise GatewayError(500, "inspection_failed", f"the kernel refused the inspection: {reply.get('evalue', '')}")
-    evaluated = reply.get("user_expressions", {}).get("inspection")
-    if evaluated is None:
-        raise GatewayError(501, "unsupported_kernel", "this kernel does not evaluate user_expressions")
-    if evaluated.get("status") != "ok":
-        raise GatewayError(
-            500,
-            "inspection_failed",
-            f"inspecting variables failed in the kernel: {evaluated.get('ename')}: {evaluated.get('evalue')}",
-            "variables work with Python (ipykernel) kernels",
+    # Watched from before the request goes out: a reply over the size cap drops the connection.
+    socket = kc.shell_channel.socket
+    # (A fresh address each time: the last monitor's may still be bound while ZMQ lets it go.)
+    monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED, addr=f"inproc://kg-inspect-{uuid.uuid4().hex}")
+    dropped = asyncio.ensure_future(monitor.recv_multipart())
+    try:
+        msg_id = kc.execute(
+            "", silent=True, store_history=False, user_expressions={"inspection": expression}, allow_stdin=False
         )
+        reply = await _shell_reply(kc, msg_id, timeout, dropped)
+    finally:
+        dropped.cancel()
+        if kc.shell_channel.socket is not None:
+            socket.disable_monitor()
+        monitor.close(linger=0)
+    return _answer(reply)
+
+
+def _refused(message: str, code: str = "bad_kernel_reply") -> GatewayError:
+    return GatewayError(409, code, message, "variables work with Python (ipykernel) kernels; "
+                                            "restart the kernel if its inspection machinery was changed")
+
+
+def _answer(reply: Any) -> dict:
+    """The inspection's answer in a kernel's execute_reply, bounded before parsed, or a 409."""
+    if not isinstance(reply, dict) or reply.get("status") != "ok":
+        evalue = reply.get("evalue", "") if isinstance(reply, dict) else ""
+        raise _refused(f"the kernel refused the inspection: {str(evalue)[:200]}", "inspection_failed")
+    expressions = reply.get("user_expressions")
+    evaluated = expressions.get("inspection") if isinstance(expressions, dict) else None
+    if not isinstance(evaluated, dict):
+        raise _refused("this kernel does not evaluate user_expressions", "unsupported_kernel")
+    if evaluated.get("status") != "ok":
+        raise _refused(
+            f"inspecting variables failed in the kernel: {str(evaluated.get('ename'))[:100]}: "
+            f"{str(evaluated.get('evalue'))[:200]}", "inspection_failed",
+        )
+    data = evaluated.get("data")
+    text = data.get("text/plain") if isinstance(data, dict) else None
     # The value is a str; IPython sends its repr as text/plain.
-    return json.loads(ast.literal_eval(evaluated["data"]["text/plain"]))
+    if not isinstance(text, str) or not text[:1] in ("'", '"'):
+        raise _refused("the kernel's inspection answer is not a string")
+    if len(text) > MAX_REPLY_CHARS:
+        raise _refused(f"the kernel's inspection answer is {len(text)} characters; the limit is {MAX_REPLY_CHARS}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        value = None
+    if not isinstance(value, str):
+        raise _refused("the kernel's inspection answer is not a string literal")
+    try:
+        answer = json_input.loads_object(value, max_bytes=MAX_REPLY_CHARS, what="the kernel's inspection answer")
+    except json_input.JSONRefused as e:
+        raise _refused(str(e)) from None
+    return answer
 
 
-async def _shell_reply(kc: AsyncKernelClient, msg_id: str, timeout: float) -> dict:
-    """The content of the execute_reply to ``msg_id``; other replies are skipped."""
+def bound_inspector(kc: Any) -> None:
+    """Make ``kc``'s shell socket (not yet connected) take no message over :data:`MAX_REPLY_BYTES`."""
+    def connect_shell(identity: bytes | None = None) -> Any:
+        context = kc.context
+        saved = dict(context.sockopts)
+        context.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        try:
+            return type(kc).connect_shell(kc, identity)
+        finally:
+            context.sockopts.clear()
+            context.sockopts.update(saved)
+
+    kc.connect_shell = connect_shell
+
+
+async def _shell_reply(kc: AsyncKernelClient, msg_id: str, timeout: float, dropped: asyncio.Future) -> dict:
+    """The content of the execute_reply to ``msg_id``; other replies are skipped.
+
+    ``dropped`` resolves when ZMQ drops the connection: a reply over the
+    shell socket's size cap.  The client is then stopped, not reused: its
+    reconnection would carry the same identity, which the kernel's ROUTER
+    refuses while it still holds the old one, and a send with no peer blocks
+    the loop.  (``Kernel.probe_client`` makes a new one next time.)
+    """
     deadline = time.monotonic() + timeout
     while True:
         remaining = deadline - time.monotonic()
+        reply = asyncio.ensure_future(kc.get_shell_msg(timeout=max(remaining, 0.001)))
+        await asyncio.wait({reply, dropped}, return_when=asyncio.FIRST_COMPLETED)
+        if not reply.done():
+            reply.cancel()
+            kc.stop_channels()
+            raise _refused(f"the kernel's reply to the inspection was over {MAX_REPLY_BYTES} bytes")
         try:
-            if remaining <= 0:
-                raise queue.Empty
-            msg = await kc.get_shell_msg(timeout=remaining)
+            msg = reply.result()
         except queue.Empty:
+            msg = None
+        if msg is not None and msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_reply":
+            return msg["content"]
+        if msg is None or remaining <= 0:
             raise GatewayError(
                 504,
                 "kernel_busy",
                 f"the kernel did not answer within {timeout:g}s",
                 "it may be running a cell; try again when it is idle, or interrupt it",
-            ) from None
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_reply":
-            return msg["content"]
+            )
