@@ -762,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
         measure_command_cold(base, n_cmd, results)
         measure_memory(base, 20, results)
         measure_starvation(base, 20 if quick else 50, results)
+        from .fairness import measure_pool_fairness  # it builds on this module
+
+        measure_pool_fairness(base, 20 if quick else 50, results)
     except BaseException:
         # What the gateways said is the first thing needed to understand a failed run.
         for name in sorted(os.listdir(base)):
