@@ -1,12 +1,26 @@
 """The ``codex`` kind of background job: the real Codex CLI inside the job sandbox.
 
 The gateway is Codex's sandbox, so Codex's own is bypassed
-(``--dangerously-bypass-approvals-and-sandbox``).  ``CODEX_HOME`` is
-``jobs/<id>/.codex``, whose ``config.toml`` is written from the operator's
-model configuration (provider, model, base URL, ``wire_api``, ``env_key``);
-the key itself only travels as an environment variable of the sandbox,
-never into the job's files.  stdin is ``/dev/null``; Codex runs niced; its
-last message is its stdout.
+(``--dangerously-bypass-approvals-and-sandbox``).  stdin is ``/dev/null``;
+Codex runs niced; its last message is its stdout.
+
+**No operator secret enters the sandbox.**  Codex gets a per-job dummy token
+(``$KERNEL_GATEWAY_MODEL_TOKEN``) and reaches the model only through the
+gateway's egress forwarder (:mod:`kernel_gateway.egress.forwarder`), which
+listens on a Unix socket of this job bound into the sandbox at
+:data:`MODEL_SOCKET`, and which replaces the dummy with the real key (the
+model profile's ``env_key``, read from the gateway's own environment) for the
+model's base URL and nothing else.  Inside, Codex needs an http URL: the run
+step starts :data:`RELAY_SCRIPT`, which listens on 127.0.0.1 in the sandbox's
+own network namespace (the job profile has no network), relays each
+connection to the socket, and starts Codex with that URL.
+
+Codex's configuration is the gateway's alone: ``config.toml`` is made in
+memory and bound read-only at ``$CODEX_HOME/config.toml``; ``CODEX_HOME``
+(:data:`CODEX_HOME`, where Codex writes its sessions, logs and state) is in
+the sandbox's own ``/tmp``, which nothing outside the job can reach; the
+model provider and its URL are also given on Codex's command line, above
+every config layer.  The agent's tree holds none of it.
 
 Which model: the agent's Background Agent Jobs profile if set, else the
 gateway's, else the agent's heavy profile, else the gateway's (see the
@@ -15,13 +29,14 @@ gateway's, else the agent's heavy profile, else the gateway's (see the
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
+import secrets
 import shutil
 from typing import Any
 
+from .egress.forwarder import Route, Upstream
 from .errors import GatewayError
 
 PREAMBLE = (
@@ -29,8 +44,62 @@ PREAMBLE = (
     "change this objective asks, and nothing more; remove any file you made only to build or check it; "
     "do not commit. Your last message says what you changed and what you checked. The objective:"
 )
-# What name lookup and TLS read (the seed's profile binds the same); /etc/passwd is created by the profile.
-NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl/certs")
+MODEL_SOCKET = "/run/kernel-gateway-model.sock"  # the forwarder's socket, inside the job sandbox
+CODEX_HOME = "/tmp/codex-home"  # in the job sandbox's own tmpfs
+TOKEN_ENV = "KERNEL_GATEWAY_MODEL_TOKEN"  # the per-job dummy Codex sends as its key
+RELAY_URL = "@relay@"  # replaced by the relay with http://127.0.0.1:PORT once it listens
+
+# Runs in the job sandbox, as the agent; argv: SOCKET INDEX COMMAND...  Listens on 127.0.0.1 (the
+# sandbox's own loopback), puts its URL in COMMAND[INDEX], relays every connection to SOCKET byte
+# for byte, runs COMMAND and exits as it did.  It never writes to stdout (Codex's last message).
+RELAY_SCRIPT = r"""
+import os, signal, socket, subprocess, sys, threading
+path, index, command = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+listener.bind(("127.0.0.1", 0))
+listener.listen(16)
+command[index] = command[index].replace("@relay@", "http://127.0.0.1:%d" % listener.getsockname()[1])
+
+def pump(src, dst):
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    try:
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+def serve(conn):
+    with conn:
+        try:
+            gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            gateway.connect(path)
+        except OSError as e:
+            sys.stderr.write("model relay: the gateway's forwarder cannot be reached: %s\n" % e)
+            return
+        with gateway:
+            back = threading.Thread(target=pump, args=(gateway, conn), daemon=True)
+            back.start()
+            pump(conn, gateway)
+            back.join()
+
+def accept():
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+threading.Thread(target=accept, daemon=True).start()
+child = subprocess.Popen(command)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda s, f: child.send_signal(s))
+code = child.wait()
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
 MODEL_FIELDS = {"provider", "model", "base_url", "wire_api", "env_key"}
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -61,6 +130,10 @@ def check_model_profile(name: str, profile: Any) -> dict:
             raise ValueError(f"model profile {name!r}: {key!r} must be a non-empty string")
     if not re.match(r"^https?://[^\s\"]+$", profile["base_url"]):
         raise ValueError(f"model profile {name!r}: base_url must be an http(s) URL, got {profile['base_url']!r}")
+    try:
+        Upstream.from_url(profile["base_url"])  # what the forwarder will allow, and nothing else
+    except ValueError as e:
+        raise ValueError(f"model profile {name!r}: base_url: {e}") from None
     provider = profile.get("provider", name)
     if not isinstance(provider, str) or not _NAME.match(provider):
         raise ValueError(f"model profile {name!r}: provider must be 1-64 of A-Z a-z 0-9 _ -")
@@ -97,7 +170,11 @@ def model_for(settings: Any, agent: str) -> dict:
 
 
 def config_toml(model: dict) -> str:
-    """Codex's config.toml for one job: JSON strings are valid TOML basic strings."""
+    """Codex's config.toml for one job: JSON strings are valid TOML basic strings.
+
+    The base URL is the relay's, known once it listens: the run step gives it on
+    the command line (``-c``), which also restates the provider over any other layer.
+    """
     provider = model["provider"]
     lines = [
         f"model = {json.dumps(model['model'])}",
@@ -105,38 +182,40 @@ def config_toml(model: dict) -> str:
         "",
         f"[model_providers.{provider}]",
         f"name = {json.dumps(provider)}",
-        f"base_url = {json.dumps(model['base_url'])}",
         'wire_api = "responses"',
+        f"env_key = {json.dumps(TOKEN_ENV)}",
     ]
-    if model["env_key"]:
-        lines.append(f"env_key = {json.dumps(model['env_key'])}")
     return "\n".join(lines) + "\n"
 
 
-def network_profile(job_profile: dict) -> dict:
-    """The job profile with the network on and the files name lookup and TLS read."""
-    profile = copy.deepcopy(job_profile)
-    sandbox = profile["sandbox"]
-    sandbox["network"] = True
-    sandbox["read_only"] = list(sandbox.get("read_only", [])) + [
-        p for p in NETWORK_FILES if p not in sandbox.get("read_only", [])
-    ]
-    return profile
+def model_route(model: dict, token: str) -> Route:
+    """The forwarder's one route for a job: the model's base URL, the job's token, the real key."""
+    inject = {}
+    if model["env_key"]:
+        inject["Authorization"] = f"Bearer {os.environ[model['env_key']]}"  # read here, in the gateway only
+    return Route(Upstream.from_url(model["base_url"]), token, inject, frozenset({"GET", "POST"}))
 
 
 def prepare(settings: Any, job: Any) -> Any:
-    """The argv, environment, config and binds of one codex job's run step."""
+    """The argv, environment, config, binds and forwarder route of one codex job's run step."""
     from .job_runner import CodexRun
 
     codex = find_codex(settings.codex_command)
     model = model_for(settings, job.agent)
-    env = {}  # CODEX_HOME is set by the run step, which knows the job directory
-    if model["env_key"]:
-        env[model["env_key"]] = os.environ[model["env_key"]]
+    token = f"kg-job-{job.id}-{secrets.token_hex(16)}"
+    provider = model["provider"]
+    prefix = Upstream.from_url(model["base_url"]).prefix
+    codex_argv = [
+        "nice", "-n", "10", codex, "exec",
+        "-c", f"model_providers.{provider}.base_url={json.dumps(RELAY_URL + prefix)}",
+        "-c", f"model_provider={json.dumps(provider)}",
+        "--dangerously-bypass-approvals-and-sandbox", "--skip-git-repo-check", f"{PREAMBLE} {job.objective}",
+    ]
     return CodexRun(
-        argv=["nice", "-n", "10", codex, "exec", "--dangerously-bypass-approvals-and-sandbox",
-              "--skip-git-repo-check", f"{PREAMBLE} {job.objective}"],
-        env=env,
+        argv=["python3", "-I", "-c", RELAY_SCRIPT, MODEL_SOCKET, str(codex_argv.index("-c") + 1), *codex_argv],
+        env={"CODEX_HOME": CODEX_HOME, TOKEN_ENV: token},
         config_toml=config_toml(model),
         read_only=[codex],
+        route=model_route(model, token),
+        socket_path=os.path.join(settings.state_dir, "egress", f"{job.id}.sock"),
     )

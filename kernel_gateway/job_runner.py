@@ -1,9 +1,9 @@
 """Running one background job, step by step, each step in a sandbox.
 
 1. **Copy** (command sandbox over the agent's tree, as the agent): make
-   ``jobs/<id>/{tree,base,temp,skills}``, copy ``from`` into ``tree`` and
-   ``base``, write ``.codex/config.toml``; then the Agent Library copies the
-   agent's enabled skills into ``skills``.
+   ``jobs/<id>/{tree,base,temp,skills}`` and copy ``from`` into ``tree`` and
+   ``base``; then the Agent Library copies the agent's enabled skills into
+   ``skills``.
    The copy runs *inside* the sandbox so the gateway never opens the agent's
    files: a symlink pointing out, a FIFO, a device node or a huge file can
    only reach, block or fill what the agent itself could, within the
@@ -11,7 +11,10 @@
    else is left out and listed in ``skipped``.
 2. **Run** (job sandbox over ``jobs/<id>`` only): the command, or ``codex exec``,
    with stdout and stderr going to ``stdout.log`` / ``stderr.log`` in the job
-   directory (the file-size limit bounds them).  The wall limit and a cancel
+   directory (the file-size limit bounds them).  A codex run also gets its
+   configuration, bound read-only from the gateway's memory, and its model
+   forwarder's socket (see :mod:`codex_runner`); the forwarder lives exactly
+   as long as the run.  The wall limit and a cancel
    kill bwrap's process group and the sandbox's cgroup; ``--die-with-parent``
    ends the pid namespace, background children included.
 3. **Diff** (job sandbox again, fresh limits): ``diff -ruN base tree >
@@ -40,6 +43,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import codex_runner
+from .egress.forwarder import Forwarder, Route
 from .errors import GatewayError, conflict
 from .sandbox import launch, reach
 from .sandbox.profile import parse_duration
@@ -48,7 +53,7 @@ from .tools.command import run_command
 
 STEP_WALL = 600.0  # seconds for the copy, diff and apply steps (within their profiles' own walls)
 
-# Runs inside the command sandbox, as the agent; argv: FROM JOB; stdin: config.toml (may be empty).
+# Runs inside the command sandbox, as the agent; argv: FROM JOB.
 COPY_SCRIPT = r"""
 import json, os, stat, sys
 source, job = sys.argv[1:3]
@@ -92,13 +97,9 @@ def copy_tree(top, targets, label, rel=""):
             skipped.append({"path": os.path.join(label, sub), "type": kind})
 
 os.mkdir(job, 0o755)
-for name in ("tree", "base", "temp", "skills", ".codex"):
+for name in ("tree", "base", "temp", "skills"):
     os.mkdir(os.path.join(job, name), 0o755)
 copy_tree(source, [os.path.join(job, "tree"), os.path.join(job, "base")], "")
-config = sys.stdin.read()
-if config:
-    with open(os.path.join(job, ".codex", "config.toml"), "x") as f:
-        f.write(config)
 print(json.dumps(skipped))
 """
 
@@ -213,9 +214,11 @@ class CodexRun:
     """What the codex kind adds to the run step (see :mod:`codex_runner`)."""
 
     argv: list[str]
-    env: dict[str, str]
-    config_toml: str
+    env: dict[str, str]  # CODEX_HOME and the job's dummy model token: never a secret
+    config_toml: str  # bound read-only at CODEX_HOME/config.toml from memory
     read_only: list[str]
+    route: Route = field(repr=False)  # the forwarder's route: the model's URL and the real key
+    socket_path: str = ""  # the forwarder's socket on the host (in the state directory)
 
 
 def job_dir(ctx: Context, job: Any) -> str:
@@ -255,14 +258,13 @@ async def _in_command_sandbox(ctx: Context, argv: list[str], cwd: str, stdin: st
 # --- step 1: copy ----------------------------------------------------------------
 
 
-async def copy_in(ctx: Context, job: Any, config_toml: str = "") -> list:
+async def copy_in(ctx: Context, job: Any) -> list:
     """Make the job's workspace from ``from``; return what was left out."""
     root = os.path.realpath(ctx.agent_root)
     ran = await _in_command_sandbox(
         ctx,
         ["python3", "-I", "-c", COPY_SCRIPT, os.path.join(root, job.source), job_dir(ctx, job)],
         cwd=".",
-        stdin=config_toml,
     )
     if ran["exit_code"] != 0 or ran["timed_out"]:
         if ran["timed_out"]:
@@ -398,18 +400,43 @@ async def _in_job_sandbox(ctx: Context, job: Any, profile: dict, argv: list[str]
     return process.returncode, ended, prepared
 
 
+def _codex_profile(profile: dict, codex: CodexRun) -> dict:
+    """The job profile plus what a codex run needs: Codex's binary, its config, the forwarder's socket."""
+    sandbox = dict(profile["sandbox"])
+    sandbox["read_only"] = list(sandbox.get("read_only", [])) + codex.read_only
+    sandbox["read_write"] = list(sandbox.get("read_write", [])) + [{"from": codex.socket_path, "at": codex_runner.MODEL_SOCKET}]
+    sandbox["created_files"] = list(sandbox.get("created_files", [])) + [
+        {"at": f"{codex_runner.CODEX_HOME}/config.toml", "text": codex.config_toml}]
+    return dict(profile, sandbox=sandbox)
+
+
+async def _start_forwarder(ctx: Context, job: Any, codex: CodexRun) -> Forwarder:
+    """The job's model forwarder, on a fresh socket only the job's uid may use."""
+    folder = os.path.dirname(codex.socket_path)
+    os.makedirs(folder, mode=0o711, exist_ok=True)
+    try:
+        os.unlink(codex.socket_path)  # one a killed gateway left (the state directory is the gateway's own)
+    except FileNotFoundError:
+        pass
+    forwarder = Forwarder(f"job:{job.agent}/{job.id}", [codex.route])
+    run_as = ctx.run_as
+    await forwarder.listen_unix(codex.socket_path, uid=run_as.uid if run_as else None,
+                                gid=run_as.gid if run_as else None)
+    return forwarder
+
+
 async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | None) -> Outcome:
     directory = job_dir(ctx, job)
     profile = dict(ctx.job_profile)
     profile["process"] = dict(profile.get("process", {}), cwd="$$job_dir$$/tree")
+    forwarder = None
     if codex is not None:
-        sandbox = dict(profile["sandbox"])
-        sandbox["read_only"] = list(sandbox.get("read_only", [])) + codex.read_only
-        profile["sandbox"] = sandbox
+        profile = _codex_profile(profile, codex)
+        forwarder = await _start_forwarder(ctx, job, codex)
     argv = codex.argv if codex is not None else job.command
-    env = {**job.env, "TMPDIR": os.path.join(directory, "temp")}
+    env = {**job.env, "TMPDIR": os.path.join(directory, "temp")}  # job.env: checked by request_env
     if codex is not None:
-        env.update(codex.env, CODEX_HOME=os.path.join(directory, ".codex"))
+        env.update(codex.env)
     out_fd, err_fd = _open_log(ctx, job, "stdout.log"), _open_log(ctx, job, "stderr.log")
     try:
         returncode, ended, prepared = await _in_job_sandbox(
@@ -429,6 +456,8 @@ async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRu
     finally:
         os.close(out_fd)
         os.close(err_fd)
+        if forwarder is not None:
+            await forwarder.close()
 
 
 def read_tails(ctx: Context, job: Any) -> tuple[str, str]:
@@ -570,7 +599,7 @@ async def run(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | N
     ``skills`` fills ``jobs/<id>/skills`` with the agent's enabled skills (the
     Agent Library's ``materialize_skills``); the run step binds it read-only.
     """
-    skipped = await copy_in(ctx, job, codex.config_toml if codex else "")
+    skipped = await copy_in(ctx, job)
     if skills is not None:
         await asyncio.to_thread(skills)  # up to megabytes of files: not on the event loop
     if cancel.is_set():

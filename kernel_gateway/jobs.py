@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import codex_runner, job_runner
+from . import codex_runner, job_runner, request_env
 from .errors import GatewayError, bad_request, conflict, not_found
 from .sandbox.profile import ProfileError, _parse_count, load_profile, parse_duration, parse_size
 from . import fs
@@ -49,7 +49,6 @@ LIMIT_PARSERS = {
 JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 MAX_OBJECTIVE = 64 << 10
 MAX_COMMAND = 64 << 10
-RESERVED_ENV = ("CODEX_HOME", "HOME", "TMPDIR")
 
 
 def check_job_id(job_id: object) -> str:
@@ -184,20 +183,6 @@ def _command(body: dict) -> list[str]:
     return list(argv)
 
 
-def _env(body: dict) -> dict[str, str]:
-    env = body.get("env", {})
-    if not isinstance(env, dict):
-        raise bad_request(f"'env' must be an object of NAME: string, got {type(env).__name__}")
-    for name, value in env.items():
-        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
-            raise bad_request(f"'env' has an invalid variable name {name!r}")
-        if name in RESERVED_ENV:
-            raise bad_request(f"'env.{name}' is set by the gateway for every job", code="reserved_env")
-        if not isinstance(value, str) or "\0" in value:
-            raise bad_request(f"'env.{name}' must be a string without NUL, got {value!r}")
-    return dict(env)
-
-
 def narrow_limits(profile_limits: dict, requested: Any) -> dict:
     """The profile's limits, each narrowed where the request asks; widening is refused."""
     if not isinstance(requested, dict):
@@ -329,7 +314,7 @@ class JobManager:
             codex_runner.model_for(self.settings, agent)  # refuses now if none is configured
             codex_runner.find_codex(self.settings.codex_command)
         limits = narrow_limits(self.base_profile(agent, kind).get("limits", {}), body.get("limits", {}))
-        env = _env(body)
+        env = request_env.check(body.get("env"), f"{kind}_job", request_env.model_keys(self.settings))
         job = Job(id=secrets.token_hex(6), agent=agent, kind=kind, source=source, seq=self._seq + 1,
                   created=time.time(), command=command, objective=objective, limits=limits, env=env)
         self._check_share(job)
@@ -442,8 +427,6 @@ class JobManager:
             profile = load_profile(name)
         except ProfileError as e:
             raise GatewayError(500, "bad_profile", f"the job profile of {agent!r} is invalid: {e}") from None
-        if kind == "codex" and not self.settings.codex_job_profile:
-            profile = codex_runner.network_profile(profile)
         return profile
 
     def _context(self, job: Job) -> job_runner.Context:
@@ -481,6 +464,8 @@ class JobManager:
     async def _run(self, job: Job) -> None:
         try:
             ctx = self._context(job)
+            # Checked again: a record written by an earlier gateway went by the rules of its day.
+            request_env.check(job.env, f"{job.kind}_job", request_env.model_keys(self.settings))
             extra = None
             if job.kind == "codex":
                 extra = codex_runner.prepare(self.settings, job)

@@ -85,7 +85,7 @@ class Gateway(Configurable):
     job_profile = Unicode("job", config=True, help="Sandbox profile of background jobs.")
     codex_job_profile = Unicode(
         "", config=True,
-        help="Sandbox profile of codex jobs; default: the job profile with the network on and name lookup files.",
+        help="Sandbox profile of codex jobs; default: the job profile (no network: Codex reaches its model through the gateway's forwarder).",
     )
     max_running_jobs = Int(2, config=True, help="Background jobs running at once in all (one per agent at most).")
     job_patch_limit = Int(64 << 20, config=True, help="Largest job patch served or applied, in bytes.")

@@ -53,7 +53,7 @@ def test_copy_makes_the_workspace_and_refuses_an_existing_one(setup):
     (files / "a.txt").write_text("a\n")
     assert asyncio.run(job_runner.copy_in(ctx, job)) == []
     workspace = pathlib.Path(ctx.agent_root) / job.workspace
-    assert listing(workspace) == [".codex", "base", "base/a.txt", "skills", "temp", "tree", "tree/a.txt"]
+    assert listing(workspace) == ["base", "base/a.txt", "skills", "temp", "tree", "tree/a.txt"]
     with pytest.raises(Exception, match="copy_failed|File exists"):
         asyncio.run(job_runner.copy_in(ctx, job))
 

@@ -100,7 +100,7 @@ def test_command_job_gives_a_patch_that_patch_p1_applies_and_matches_its_sha256(
     # The workspace has the documented shape.
     workspace = pathlib.Path(job["workspace"])
     assert sorted(p.name for p in workspace.iterdir()) == [
-        ".codex", "base", "change.patch", "skills", "stderr.log", "stdout.log", "temp", "tree"]
+        "base", "change.patch", "skills", "stderr.log", "stdout.log", "temp", "tree"]
     assert (workspace / "base/src/app.py").read_text() == "print('v1')\n"
 
 

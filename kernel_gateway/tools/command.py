@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Mapping
 
-from .. import command_spares
+from .. import command_spares, request_env
 from ..errors import GatewayError, bad_request
 from ..workspace import check_session_id
 from ..sandbox import launch
@@ -78,25 +78,6 @@ def _requested_timeout(request: Mapping[str, Any]) -> float | None:
     if timeout <= 0:
         raise bad_request(f"'timeout' must be positive, got {timeout!r}")
     return float(timeout)
-
-
-def _env(request: Mapping[str, Any]) -> dict[str, str]:
-    env = request.get("env", {})
-    if not isinstance(env, dict):
-        raise bad_request(f"'env' must be an object of NAME: string, got {type(env).__name__}")
-    for name, value in env.items():
-        if not launch.check_env_name(name):
-            raise bad_request(
-                f"'env' has an invalid variable name {name!r}",
-                "names are letters, digits and _, not starting with a digit",
-            )
-        if not isinstance(value, str):
-            raise bad_request(
-                f"'env.{name}' must be a string, got {type(value).__name__}",
-                f'quote it: "{name}": "{value}"',
-            )
-        _no_nul(value, f"'env.{name}'")
-    return dict(env)
 
 
 def _stdin(request: Mapping[str, Any], max_stdin: int) -> bytes:
@@ -352,7 +333,7 @@ async def run_command(
         raise bad_request(f"'stream' must be true or false, got {request['stream']!r}")
     argv = _command_argv(request)
     requested_timeout = _requested_timeout(request)
-    env = _env(request)
+    env = request_env.check(request.get("env"), "command")
     stdin = _stdin(request, max_stdin)
     session = requested_session(request)
     cwd = _cwd(request, agent_root, session, session_cwd)
