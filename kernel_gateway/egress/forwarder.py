@@ -44,6 +44,7 @@ import re
 import socket
 import ssl
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -134,6 +135,13 @@ def _bad_path(path: bytes) -> bool:
     if b"\\" in path or _ENCODED_SEPARATOR.search(path):
         return True
     return any(segment in (b".", b"..") for segment in path.split(b"/"))
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
 
 
 def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
@@ -393,7 +401,7 @@ class Forwarder:
             return  # the response had started: the connection just ends
         body = refusal.body()
         try:
-            data = conn.send(h11.Response(status_code=refusal.status, headers=[
+            data = conn.send(h11.Response(status_code=refusal.status, reason=_reason(refusal.status), headers=[
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]))
             data += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
@@ -408,7 +416,7 @@ class Forwarder:
 
     async def _answer_refusal(self, writer: asyncio.StreamWriter, refusal: Refused) -> None:
         body = refusal.body()
-        head = (f"HTTP/1.1 {refusal.status} {refusal.code}\r\ncontent-type: application/json\r\n"
+        head = (f"HTTP/1.1 {refusal.status} {_reason(refusal.status).decode()}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
         try:
             writer.write(head + body)
