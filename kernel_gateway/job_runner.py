@@ -195,6 +195,9 @@ class Context:
     output_limit: int = 65536
     patch_limit: int = 64 << 20
     run_as: launch.RunAs | None = None  # the host uid the job's sandboxes run as; None: the gateway's
+    # The accept gate's ``listen_unix_streams``: a codex run's model forwarder listens through it.
+    listen_streams: Callable[..., Any] | None = None
+    close_listener: Callable[[str], None] = lambda name: None
 
 
 @dataclass
@@ -411,32 +414,48 @@ def _codex_profile(profile: dict, codex: CodexRun) -> dict:
 
 
 async def _start_forwarder(ctx: Context, job: Any, codex: CodexRun) -> Forwarder:
-    """The job's model forwarder, on a fresh socket only the job's uid may use."""
+    """The job's model forwarder, on a fresh socket of the accept gate that only the job's uid may use."""
+    if ctx.listen_streams is None:
+        raise GatewayError(500, "no_forwarder", "codex jobs need the gateway's accept gate for their model forwarder")
     folder = os.path.dirname(codex.socket_path)
-    os.makedirs(folder, mode=0o711, exist_ok=True)
+    os.makedirs(folder, mode=0o711, exist_ok=True)  # the gateway's own, in the state directory
     try:
-        os.unlink(codex.socket_path)  # one a killed gateway left (the state directory is the gateway's own)
+        os.unlink(codex.socket_path)  # one a killed gateway left
     except FileNotFoundError:
         pass
     forwarder = Forwarder(f"job:{job.agent}/{job.id}", [codex.route])
     run_as = ctx.run_as
-    await forwarder.listen_unix(codex.socket_path, uid=run_as.uid if run_as else None,
-                                gid=run_as.gid if run_as else None)
+    forwarder.peer_uid = run_as.uid if run_as is not None else None
+    ctx.listen_streams(codex.socket_path, forwarder_name(job), forwarder.serve_socket, forwarder.limits.connections,
+                       (run_as.uid, run_as.gid) if run_as is not None else None)
     return forwarder
 
 
+def forwarder_name(job: Any) -> str:
+    return f"egress:{job.id}"
+
+
 async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRun | None) -> Outcome:
-    directory = job_dir(ctx, job)
     profile = dict(ctx.job_profile)
     profile["process"] = dict(profile.get("process", {}), cwd="$$job_dir$$/tree")
-    forwarder = None
-    if codex is not None:
-        profile = _codex_profile(profile, codex)
-        forwarder = await _start_forwarder(ctx, job, codex)
-    argv = codex.argv if codex is not None else job.command
-    env = {**job.env, "TMPDIR": os.path.join(directory, "temp")}  # job.env: checked by request_env
-    if codex is not None:
-        env.update(codex.env)
+    if codex is None:
+        return await _run_main(ctx, job, cancel, profile, job.command, {})
+    forwarder = await _start_forwarder(ctx, job, codex)
+    try:
+        return await _run_main(ctx, job, cancel, _codex_profile(profile, codex), codex.argv, codex.env)
+    finally:  # the forwarder lives exactly as long as the run
+        ctx.close_listener(forwarder_name(job))
+        await forwarder.close()
+        try:
+            os.unlink(codex.socket_path)
+        except FileNotFoundError:
+            pass
+
+
+async def _run_main(ctx: Context, job: Any, cancel: asyncio.Event, profile: dict, argv: list[str],
+                    extra_env: dict[str, str]) -> Outcome:
+    # job.env was checked by request_env (when submitted, and again before this run).
+    env = {**job.env, "TMPDIR": os.path.join(job_dir(ctx, job), "temp"), **extra_env}
     out_fd, err_fd = _open_log(ctx, job, "stdout.log"), _open_log(ctx, job, "stderr.log")
     try:
         returncode, ended, prepared = await _in_job_sandbox(
@@ -456,8 +475,6 @@ async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRu
     finally:
         os.close(out_fd)
         os.close(err_fd)
-        if forwarder is not None:
-            await forwarder.close()
 
 
 def read_tails(ctx: Context, job: Any) -> tuple[str, str]:

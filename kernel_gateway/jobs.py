@@ -254,6 +254,7 @@ class JobManager:
         self._apply_locks: dict[str, asyncio.Lock] = {}
         self._seq = 0
         self._stopping = False
+        self.gate: Any = None  # the server's accept gate: codex jobs' model forwarders listen through it
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -442,6 +443,8 @@ class JobManager:
             output_limit=self.settings.output_limit,
             patch_limit=self.settings.job_patch_limit,
             run_as=self.agents.uids.run_as(job.agent),  # the agent's own host uid
+            listen_streams=self.gate.listen_unix_streams if self.gate is not None else None,
+            close_listener=self.gate.close if self.gate is not None else (lambda name: None),
         )
 
     def _schedule(self) -> None:

@@ -1,4 +1,4 @@
-"""The egress forwarding core on its own: a real Unix socket, a real upstream on loopback, raw clients.
+"""The egress forwarding core: a real Unix socket of the real accept gate, a real upstream on loopback, raw clients.
 
 What it must do: forward a request under the route's prefix that carries the
 route's token, with the token replaced by the real credential; stream the
@@ -18,6 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kernel_gateway.egress.forwarder import Forwarder, Limits, Route, Upstream
+from kernel_gateway.server.connections import ConnectionGate
+from kernel_gateway.settings import Gateway
 
 REAL = "sk-real-operator-key-7c1e"
 DUMMY = "kg-job-dummy-token-0001"
@@ -82,21 +84,46 @@ class Upstream_:
         self.server.server_close()
 
 
+class Served:
+    """A forwarder listening through a real ConnectionGate, on an asyncio loop of its own thread."""
+
+    def __init__(self, forwarder: Forwarder, path: str, peer_uid: int | None = None):
+        self.forwarder, self.path = forwarder, path
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def listen():
+            self.gate = ConnectionGate(Gateway())
+            forwarder.peer_uid = peer_uid
+            self.gate.listen_unix_streams(path, "egress:test", forwarder.serve_socket, forwarder.limits.connections,
+                                          (os.getuid(), os.getgid()))
+
+        self.run(listen())
+
+    def run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)
+
+    def close(self):
+        async def close():
+            self.gate.close_all()
+            await self.forwarder.close()
+
+        self.run(close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
 @pytest.fixture
 def setup(tmp_path):
     upstream = Upstream_()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
     route = Route(Upstream.from_url(upstream.url), DUMMY, {"Authorization": f"Bearer {REAL}"})
     forwarder = Forwarder("job:alice/000000000001", [route], Limits(head_bytes=8 << 10, body_bytes=1 << 20,
                                                                      connections=4, head_timeout=5))
     path = str(tmp_path / "model.sock")
-    asyncio.run_coroutine_threadsafe(forwarder.listen_unix(path), loop).result(10)
+    served = Served(forwarder, path)
     yield forwarder, upstream, path
-    asyncio.run_coroutine_threadsafe(forwarder.close(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    served.close()
     upstream.close()
 
 
@@ -220,19 +247,13 @@ def test_an_unreachable_upstream_is_a_502(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed when the block ends: nothing listens there
     route = Route(Upstream.from_url(f"http://127.0.0.1:{port}/v1"), DUMMY, {"Authorization": f"Bearer {REAL}"})
-    forwarder = Forwarder("t", [route])
     path = str(tmp_path / "f.sock")
-
-    async def go():
-        await forwarder.listen_unix(path)
-        try:
-            return await asyncio.to_thread(_exchange, path, _request("POST", "/v1/responses", b"{}"))
-        finally:
-            await forwarder.close()
-
-    status, error = _error(asyncio.run(go()))
+    served = Served(Forwarder("t", [route]), path)
+    try:
+        status, error = _error(_exchange(path, _request("POST", "/v1/responses", b"{}")))
+    finally:
+        served.close()
     assert (status, error["code"]) == (502, "upstream_unreachable") and REAL not in json.dumps(error)
-    assert not os.path.exists(path)
 
 
 def test_connections_past_the_cap_get_a_429(setup):
@@ -254,22 +275,14 @@ def test_connections_past_the_cap_get_a_429(setup):
 def test_another_uid_is_not_served(tmp_path):
     upstream = Upstream_()
     route = Route(Upstream.from_url(upstream.url), DUMMY, {"Authorization": f"Bearer {REAL}"})
-    forwarder = Forwarder("t", [route])
     path = str(tmp_path / "f.sock")
-
-    async def go():
-        await forwarder.listen_unix(path)
-        forwarder.peer_uid = os.getuid() + 1  # the socket serves another uid than ours
-        try:
-            return await asyncio.to_thread(_exchange, path, _request("POST", "/v1/responses", b"{}"))
-        finally:
-            await forwarder.close()
-
+    served = Served(Forwarder("t", [route]), path, peer_uid=os.getuid() + 1)  # serves another uid than ours
     try:
-        status, error = _error(asyncio.run(go()))
+        status, error = _error(_exchange(path, _request("POST", "/v1/responses", b"{}")))
         assert (status, error["code"]) == (403, "forbidden_peer")
         assert upstream.requests == []
     finally:
+        served.close()
         upstream.close()
 
 

@@ -25,7 +25,11 @@ nothing after the first request is ever read: no keep-alive smuggling):
 
 Every refusal is a JSON ``{"error": {"code", "message", "hint"}}`` with a 4xx
 (a 502 or 504 when the upstream fails), and never quotes the credential.
-Connections past :attr:`Limits.connections` at once are answered 429.
+The listening socket is the gateway's accept gate's
+(``ConnectionGate.listen_unix_streams``): it counts this forwarder's
+connections with every other agent connection, answers those past
+:attr:`Limits.connections` with a 429, and calls :meth:`Forwarder.serve_socket`;
+a peer of another uid than the client's (``SO_PEERCRED``) is refused.
 
 This is the seed of the per-agent egress proxy: more routes per client (a
 domain allow-list), credentials per route, other clients (kernels, command
@@ -43,6 +47,7 @@ import os
 import re
 import socket
 import ssl
+import sys
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Mapping, Sequence
@@ -160,59 +165,26 @@ class Forwarder:
         self.limits = limits or Limits()
         self.ssl_context = ssl_context
         self.peer_uid: int | None = None  # if set, only a peer of that uid is served (SO_PEERCRED)
-        self.path: str | None = None
         self.requests = 0  # forwarded
         self.refused = 0
-        self._open = 0
-        self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    # --- the listener -------------------------------------------------------------
+    # --- connections (accepted and counted by the gateway's accept gate) -----------------
 
-    async def listen_unix(self, path: str, uid: int | None = None, gid: int | None = None) -> None:
-        """Listen on a new socket at ``path`` (mode 0600; owned by ``uid``, served only to ``uid``)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(path)  # fails if anything is there: the caller chose a fresh name
-            os.chmod(path, 0o600)
-            if uid is not None:
-                os.chown(path, uid, uid if gid is None else gid, follow_symlinks=False)
-            sock.listen(64)
-            sock.setblocking(False)
-            self._server = await asyncio.start_unix_server(self._accept, sock=sock)
-        except BaseException:
-            sock.close()
-            raise
-        self.path, self.peer_uid = path, uid
+    async def serve_socket(self, sock: socket.socket) -> None:
+        """Serve one accepted connection: its peer checked, one request, then closed.
 
-    async def close(self) -> None:
-        """Stop listening, end the connections still open, remove the socket."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        The gateway's accept gate (``server/connections.py``, ``listen_unix_streams``) binds
+        the socket, caps its connections at :attr:`Limits.connections` and calls this.
+        """
         task = asyncio.current_task()
-        self._tasks.add(task)
-        self._open += 1
+        if task is not None:
+            self._tasks.add(task)
+        writer = None
         try:
-            if self._open > self.limits.connections:
-                await self._answer_refusal(writer, Refused(
-                    429, "too_many_connections",
-                    f"{self.limits.connections} connections to the model forwarder are open already",
-                    "wait for one to end"))
-                return
-            if not self._peer_allowed(writer):
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 16)
+            if not self._peer_allowed(sock):
+                self.refused += 1
                 await self._answer_refusal(writer, Refused(403, "forbidden_peer", "this socket serves one sandbox only"))
                 return
             await self.serve(reader, writer)
@@ -221,20 +193,28 @@ class Forwarder:
         except Exception:  # a bug must not take the gateway's loop down; the connection just ends
             log.exception("egress forwarder %s: connection failed", self.client)
         finally:
-            self._open -= 1
-            self._tasks.discard(task)
-            writer.close()
+            if task is not None:
+                self._tasks.discard(task)
+            if writer is not None:
+                writer.close()
+            else:
+                sock.close()
 
-    def _peer_allowed(self, writer: asyncio.StreamWriter) -> bool:
+    async def close(self) -> None:
+        """End the connections still open (the gate closes the listener)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _peer_allowed(self, sock: socket.socket) -> bool:
         if self.peer_uid is None:
             return True
-        sock = writer.get_extra_info("socket")
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         except OSError:
             return False
-        _pid, uid, _gid = int.from_bytes(creds[0:4], "little"), int.from_bytes(creds[4:8], "little"), creds[8:12]
-        return uid == self.peer_uid
+        return int.from_bytes(creds[4:8], sys.byteorder) == self.peer_uid  # struct ucred: pid, uid, gid
 
     # --- one request --------------------------------------------------------------
 
@@ -311,21 +291,23 @@ class Forwarder:
         try:
             upstream_conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=self.limits.head_bytes)
             up_writer.write(upstream_conn.send(h11.Request(method=request.method, target=target, headers=headers)))
-            sent = 0
-            while True:  # the body, streamed and counted
+            sent, sending = 0, True
+            while True:  # the body, streamed and counted (all of it: an upstream that answered early is heard)
                 event = await self._next(client, reader, self.limits.idle_timeout, "the request body")
                 if isinstance(event, h11.Data):
                     sent += len(event.data)
                     if sent > self.limits.body_bytes:
                         raise Refused(413, "body_too_large", f"the request body is over {self.limits.body_bytes} bytes")
-                    up_writer.write(upstream_conn.send(event))
-                    await up_writer.drain()
-                elif isinstance(event, h11.EndOfMessage):
-                    up_writer.write(upstream_conn.send(h11.EndOfMessage()))
-                    await up_writer.drain()
-                    break
-                else:
+                elif not isinstance(event, h11.EndOfMessage):
                     raise Refused(400, "bad_request", "the request ended before its body")
+                if sending:
+                    try:
+                        up_writer.write(upstream_conn.send(event))
+                        await up_writer.drain()
+                    except OSError:
+                        sending = False  # the upstream stopped reading; its answer, if any, is relayed
+                if isinstance(event, h11.EndOfMessage):
+                    break
             self.requests += 1
             await self._relay_response(client, writer, upstream_conn, up_reader, upstream)
         except (OSError, h11.LocalProtocolError) as e:

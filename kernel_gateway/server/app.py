@@ -261,6 +261,7 @@ class GatewayServer:
                 core.agents.agents.discard(agent)
         core.agents.on_agent = self._agent_created
         core.jobs = JobManager(s, core)
+        core.jobs.gate = self.gate
         await core.jobs.start()  # after the sweep: lost jobs' cgroups are gone
         if s.demo_agent:
             core.agents.ensure_agent(s.demo_agent)

@@ -1,7 +1,9 @@
 """The one accept gate: every listening socket of the gateway, and what each may hold.
 
 Every listener is bound here and served here: the control socket, each
-agent's socket and the Jupyter API's loopback TCP port.  Nothing else in the
+agent's socket, the Jupyter API's loopback TCP port and each codex job's
+model forwarder socket (:meth:`ConnectionGate.listen_unix_streams`: the gate
+accepts and counts, the egress forwarder serves).  Nothing else in the
 package binds or serves a socket (``tests/test_source_guards.py`` checks).
 
 Tornado's own accept loop takes every pending connection, and when the
@@ -50,9 +52,10 @@ import logging
 import os
 import resource
 import socket
+import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from tornado import httpserver, httputil, iostream, netutil, web
 from tornado.ioloop import IOLoop
@@ -125,11 +128,13 @@ class Connection:
 
 @dataclass(eq=False)
 class Listener:
-    name: str | None  # None: the control socket; an agent name; or TCP
+    name: str | None  # None: the control socket; an agent name; TCP; or a stream listener's own name
     sockets: list[socket.socket]
-    server: "GatedServer"
+    server: "GatedServer | None"  # None: a stream listener, whose connections go to ``serve``
     path: str | None = None
     connections: set[Connection] = field(default_factory=set)
+    serve: Callable[[socket.socket], Awaitable[None]] | None = None
+    cap: int | None = None  # its own cap of open connections (else an agent socket's)
 
 
 class _TokenCheck(httputil.HTTPMessageDelegate):
@@ -215,6 +220,25 @@ class ConnectionGate:
         self._serve(Listener(name, [sock], self._server(app, name, http), path=path))
         return sock
 
+    def listen_unix_streams(self, path: str, name: str, serve: Callable[[socket.socket], Awaitable[None]],
+                            cap: int, owner: tuple[int, int] | None = None) -> socket.socket:
+        """Bind ``path`` (mode 0600, owned by ``owner`` (uid, gid) if given) and hand each connection,
+        accepted and counted here, to ``serve(sock)``; it counts until that coroutine returns.
+
+        ``name`` must be new (e.g. ``egress:<job id>``); past ``cap`` open connections a new one gets a 429.
+        """
+        if name in self._listeners or name in (None, TCP):
+            raise ValueError(f"a listener named {name!r} exists already")
+        sock = netutil.bind_unix_socket(path, mode=0o600, backlog=self.backlog)
+        try:
+            if owner is not None:
+                os.chown(path, owner[0], owner[1], follow_symlinks=False)
+        except BaseException:
+            sock.close()
+            raise
+        self._serve(Listener(name, [sock], None, path=path, serve=serve, cap=cap))
+        return sock
+
     def bind_tcp(self, port: int, host: str) -> list[socket.socket]:
         """Listening sockets on host:port (0: a free port); OSError if it is taken."""
         return netutil.bind_sockets(port, host, backlog=self.backlog)
@@ -271,7 +295,11 @@ class ConnectionGate:
         return getattr(getattr(request_conn, "stream", None), "gate_connection", None)
 
     def _opened(self, listener: Listener, connection: socket.socket, address: Any) -> None:
+        if listener.serve is not None:
+            self._opened_stream(listener, connection)
+            return
         server = listener.server
+        assert server is not None
         conn = Connection(listener.name, listener.name if listener.name not in (None, TCP) else None,
                           opened=IOLoop.current().time())
         stream = CountedStream(connection, lambda: self._closed(listener, conn),
@@ -285,6 +313,19 @@ class ConnectionGate:
             self._waiting[conn] = None
             conn.deadline = IOLoop.current().call_later(self.unauthenticated_timeout, self._expire, conn)
         server.handle_stream(stream, address)
+
+    def _opened_stream(self, listener: Listener, connection: socket.socket) -> None:
+        conn = Connection(listener.name, None, opened=IOLoop.current().time())
+        listener.connections.add(conn)
+        self._agents_open += 1
+        assert listener.serve is not None
+        try:
+            task = asyncio.ensure_future(listener.serve(connection))
+        except BaseException:
+            connection.close()
+            self._closed(listener, conn)
+            raise
+        task.add_done_callback(lambda _t: self._closed(listener, conn))
 
     def _closed(self, listener: Listener, conn: Connection) -> None:
         listener.connections.discard(conn)
@@ -374,6 +415,9 @@ class ConnectionGate:
                     "try again in a moment",
                     "send a request with an agent's token at once; raise --Gateway.max_unauthenticated_connections",
                 )
+        elif listener.cap is not None:
+            if len(listener.connections) >= listener.cap:
+                return (f"this socket already has {listener.cap} open connections; wait for one to end", "")
         elif len(listener.connections) >= self.per_agent_socket:
             return (
                 f"this agent socket already has {self.per_agent_socket} open connections; close some",
