@@ -368,7 +368,10 @@ ROUTES: dict[str, dict] = {
                             "objective": {"type": "string"},
                             "limits": {"type": "object", "description": "wall, cpu, processes, file_size, memory: "
                                        "narrower than the job profile's, never wider."},
-                            "env": {"type": "object", "additionalProperties": {"type": "string"}}},
+                            "env": {"type": "object", "additionalProperties": {"type": "string"},
+                                    "description": "Variables for the job's process. Proxy, TLS, loader, Codex, model "
+                                    "and gateway names are refused (400 env_not_allowed); a codex job takes only "
+                                    "locale, time zone, terminal and build switches and JOB_* names."}},
                            ("kind", "from"))),
         get=_op("The agent's jobs, newest first.", result=_obj({"jobs": {"type": "array", "items": JOB}}, ("jobs",))),
     ),

@@ -261,3 +261,100 @@ def handler(root, name):
     # The same line in an allowed function of an allowed module is not an offence; elsewhere it is.
     assert not filesystem_offences({"state_files.py": bad})
     assert filesystem_offences({"library.py": bad})
+
+
+# --- no environment built from request data but through request_env -------------------
+
+ENV_CHECKER = "request_env.py"
+# Where a mapping's "env" entry may be read: each is not request data, or is dropped.
+ENV_READS_ALLOWED = {
+    ("sandbox/profile.py", "validate_profile"),  # the operator's sandbox profile
+    ("sandbox/profile.py", "compile_profile"),  # the same, compiled
+    ("provisioner.py", "SandboxedKernelProvisioner.pre_launch"),  # jupyter_client's launch kwargs: the
+    # gateway's own environment, which _sandbox_env filters to its allow-list
+    ("server/jupyter_routes.py", "KernelsHandler.post"),  # a kernel start's env: type-checked, then dropped
+}
+# Where a process's environment may be passed on (env=/extra_env=), and why it is not the request's.
+ENV_PASSED_ALLOWED = {
+    ("job_runner.py", "_in_job_sandbox"),  # a job's env: request_env-checked, plus the gateway's own
+    ("tools/command.py", "run_command.prepare"),  # a command's env: request_env-checked
+    ("provisioner.py", "SandboxedKernelProvisioner.pre_launch"),  # _sandbox_env's allow-list
+    ("sandbox/quota.py", "_run"),  # host tools: a fixed environment
+    ("sandbox/profile.py", "compile_profile"),  # the profile's own process.env
+    ("codex_runner.py", "prepare"),  # CODEX_HOME and the job's dummy token, the gateway's own
+    ("jobs.py", "JobManager.submit"),  # the job record keeps the request_env-checked env
+}
+ENV_WRITES_ALLOWED = {
+    ("lab/server.py", "main"),  # `kernel-gateway lab`'s own process: jupyter_server reads its token there
+}
+
+
+def _is_env_key(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value == "env"
+
+
+def env_violations(sources: dict[str, str]) -> list[str]:
+    found = []
+    for path, text in sources.items():
+        if path == ENV_CHECKER:
+            continue
+        tree = ast.parse(text, path)
+        checked = set()  # env reads handed straight to request_env.check
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and call_name(node) == "check" and isinstance(node.func, ast.Attribute) \
+                    and getattr(node.func.value, "id", "") == "request_env":
+                checked.update(id(arg) for arg in node.args)
+        for node, where in scopes(tree):
+            where = where or "<module>"
+            what = None
+            if isinstance(node, ast.Subscript) and _is_env_key(node.slice):
+                what = "reads an 'env' entry"
+            elif isinstance(node, ast.Call) and call_name(node) in ("get", "pop", "setdefault") \
+                    and node.args and _is_env_key(node.args[0]) and isinstance(node.func, ast.Attribute):
+                what = "reads an 'env' entry"
+            if what and (id(node) in checked or (path, where) in ENV_READS_ALLOWED):
+                what = None
+            if what is None and isinstance(node, ast.Call):
+                if any(kw.arg in ("env", "extra_env") for kw in node.keywords) and (path, where) not in ENV_PASSED_ALLOWED:
+                    what = "passes an environment (env=/extra_env=)"
+                elif call_name(node) == "putenv" or (
+                        call_name(node) in ("update", "setdefault", "__setitem__")
+                        and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "os.environ"):
+                    what = "changes os.environ"
+            if what is None and isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in targets):
+                    what = "changes os.environ"
+            if what and what == "changes os.environ" and (path, where) in ENV_WRITES_ALLOWED:
+                what = None
+            if what:
+                found.append(f"{path}:{node.lineno} in {where}: {what}")
+    return found
+
+
+def test_no_environment_is_built_from_request_data_but_through_request_env():
+    found = env_violations(package_sources())
+    assert not found, (
+        "a request's env becomes a process's environment only through request_env.check (its rule per kind: "
+        "commands, command jobs' deny-list, codex jobs' allow-list); nothing else reads an 'env' entry, passes "
+        "an environment on or changes the gateway's own:\n" + "\n".join(found)
+    )
+
+
+def test_the_env_guard_sees_each_way_around_request_env():
+    bad = {
+        "a.py": "def f(body):\n    return dict(body['env'])\n",
+        "b.py": "def f(body, launch):\n    return launch.prepare({}, {}, extra_env=body.get('env', {}))\n",
+        "c.py": "import subprocess\ndef f(cmd, e):\n    subprocess.run(cmd, env=e)\n",
+        "d.py": "import os\ndef f(body):\n    os.environ.update(body)\n",
+        "e.py": "import os\ndef f(v):\n    os.environ['HTTP_PROXY'] = v\n",
+        "f.py": "import os\ndef f(v):\n    os.putenv('X', v)\n",
+        "jobs.py": "def elsewhere(body):\n    return body.pop('env')\n",  # allowed only where it is
+        "g.py": "def f(body, check):\n    return check(body.get('env'), 'command')\n",  # not request_env's check
+    }
+    found = env_violations(bad)
+    assert sorted({f.split(":")[0] for f in found}) == sorted(bad), found
+    assert not env_violations({
+        ENV_CHECKER: bad["a.py"],
+        "tools/x.py": "from .. import request_env\ndef f(body):\n    return request_env.check(body.get('env'), 'command')\n",
+    })
