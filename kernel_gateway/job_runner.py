@@ -417,12 +417,6 @@ async def _start_forwarder(ctx: Context, job: Any, codex: CodexRun) -> Forwarder
     """The job's model forwarder, on a fresh socket of the accept gate that only the job's uid may use."""
     if ctx.listen_streams is None:
         raise GatewayError(500, "no_forwarder", "codex jobs need the gateway's accept gate for their model forwarder")
-    folder = os.path.dirname(codex.socket_path)
-    os.makedirs(folder, mode=0o711, exist_ok=True)  # the gateway's own, in the state directory
-    try:
-        os.unlink(codex.socket_path)  # one a killed gateway left
-    except FileNotFoundError:
-        pass
     forwarder = Forwarder(f"job:{job.agent}/{job.id}", [codex.route])
     run_as = ctx.run_as
     forwarder.peer_uid = run_as.uid if run_as is not None else None
@@ -443,13 +437,9 @@ async def run_main(ctx: Context, job: Any, cancel: asyncio.Event, codex: CodexRu
     forwarder = await _start_forwarder(ctx, job, codex)
     try:
         return await _run_main(ctx, job, cancel, _codex_profile(profile, codex), codex.argv, codex.env)
-    finally:  # the forwarder lives exactly as long as the run
+    finally:  # the forwarder lives exactly as long as the run; the gate removes its socket
         ctx.close_listener(forwarder_name(job))
         await forwarder.close()
-        try:
-            os.unlink(codex.socket_path)
-        except FileNotFoundError:
-            pass
 
 
 async def _run_main(ctx: Context, job: Any, cancel: asyncio.Event, profile: dict, argv: list[str],

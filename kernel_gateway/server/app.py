@@ -111,9 +111,11 @@ class GatewayServer:
         os.makedirs(s.root, exist_ok=True)
         os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
         os.chmod(s.state_dir, 0o700)
-        # The agents' sockets: 0711, so that every agent's sandboxes reach their own socket (0600, the
-        # agent's uid) through one alias of this directory (see sandbox/reach.py) and list nothing.
-        for d, mode in ((os.path.dirname(s.socket), 0o700), (os.path.join(s.state_dir, "agents"), 0o711)):
+        # The agents' sockets, and the codex jobs' model forwarder sockets (egress/): 0711, so that every
+        # agent's sandboxes reach their own socket (0600, the agent's uid) through one alias of this
+        # directory (see sandbox/reach.py) and list nothing.
+        for d, mode in ((os.path.dirname(s.socket), 0o700), (os.path.join(s.state_dir, "agents"), 0o711),
+                        (os.path.join(s.state_dir, "egress"), 0o711)):
             os.makedirs(d, mode=mode, exist_ok=True)
             os.chmod(d, mode)
         self._lock_file = open(os.path.join(s.state_dir, "gateway.lock"), "w")

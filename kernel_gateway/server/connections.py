@@ -226,6 +226,7 @@ class ConnectionGate:
         accepted and counted here, to ``serve(sock)``; it counts until that coroutine returns.
 
         ``name`` must be new (e.g. ``egress:<job id>``); past ``cap`` open connections a new one gets a 429.
+        A socket file left at ``path`` is replaced; :meth:`close` removes it.
         """
         if name in self._listeners or name in (None, TCP):
             raise ValueError(f"a listener named {name!r} exists already")
@@ -273,6 +274,11 @@ class ConnectionGate:
             except (KeyError, ValueError):
                 pass
             sock.close()
+        if listener.serve is not None and listener.path is not None:
+            try:  # a stream listener's socket file is the gate's own (a new one is bound per use)
+                os.unlink(listener.path)
+            except FileNotFoundError:
+                pass
 
     def close_all(self) -> None:
         for name in list(self._listeners):
