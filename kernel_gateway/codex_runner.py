@@ -5,7 +5,8 @@ The gateway is Codex's sandbox, so Codex's own is bypassed
 Codex runs niced; its last message is its stdout.
 
 **No operator secret enters the sandbox.**  Codex gets a per-job dummy token
-(``$KERNEL_GATEWAY_MODEL_TOKEN``) and reaches the model only through the
+(in its config's ``http_headers``, never in an argv or environment that ``ps``
+shows on the host) and reaches the model only through the
 gateway's egress forwarder (:mod:`kernel_gateway.egress.forwarder`), which
 listens on a Unix socket of this job bound into the sandbox at
 :data:`MODEL_SOCKET`, and which replaces the dummy with the real key (the
@@ -46,7 +47,6 @@ PREAMBLE = (
 )
 MODEL_SOCKET = "/run/kernel-gateway-model.sock"  # the forwarder's socket, inside the job sandbox
 CODEX_HOME = "/tmp/codex-home"  # in the job sandbox's own tmpfs
-TOKEN_ENV = "KERNEL_GATEWAY_MODEL_TOKEN"  # the per-job dummy Codex sends as its key
 RELAY_URL = "@relay@"  # replaced by the relay with http://127.0.0.1:PORT once it listens
 
 # Runs in the job sandbox, as the agent; argv: SOCKET INDEX COMMAND...  Listens on 127.0.0.1 (the
@@ -169,11 +169,13 @@ def model_for(settings: Any, agent: str) -> dict:
     )
 
 
-def config_toml(model: dict) -> str:
+def config_toml(model: dict, token: str) -> str:
     """Codex's config.toml for one job: JSON strings are valid TOML basic strings.
 
-    The base URL is the relay's, known once it listens: the run step gives it on
-    the command line (``-c``), which also restates the provider over any other layer.
+    Codex sends the job's dummy ``token`` as its key (``http_headers``: no ``env_key``,
+    so no variable holds it).  The base URL is the relay's, known once it listens: the
+    run step gives it on the command line (``-c``), which also restates the provider
+    over any other layer.
     """
     provider = model["provider"]
     lines = [
@@ -183,7 +185,7 @@ def config_toml(model: dict) -> str:
         f"[model_providers.{provider}]",
         f"name = {json.dumps(provider)}",
         'wire_api = "responses"',
-        f"env_key = {json.dumps(TOKEN_ENV)}",
+        f"http_headers = {{ Authorization = {json.dumps('Bearer ' + token)} }}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -213,8 +215,8 @@ def prepare(settings: Any, job: Any) -> Any:
     ]
     return CodexRun(
         argv=["python3", "-I", "-c", RELAY_SCRIPT, MODEL_SOCKET, str(codex_argv.index("-c") + 1), *codex_argv],
-        env={"CODEX_HOME": CODEX_HOME, TOKEN_ENV: token},
-        config_toml=config_toml(model),
+        env={"CODEX_HOME": CODEX_HOME},
+        config_toml=config_toml(model, token),
         read_only=[codex],
         route=model_route(model, token),
         socket_path=os.path.join(settings.state_dir, "egress", f"{job.id}.sock"),

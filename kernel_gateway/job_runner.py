@@ -217,8 +217,8 @@ class CodexRun:
     """What the codex kind adds to the run step (see :mod:`codex_runner`)."""
 
     argv: list[str]
-    env: dict[str, str]  # CODEX_HOME and the job's dummy model token: never a secret
-    config_toml: str  # bound read-only at CODEX_HOME/config.toml from memory
+    env: dict[str, str]  # CODEX_HOME: never a secret
+    config_toml: str  # bound read-only at CODEX_HOME/config.toml from memory; holds the job's dummy token
     read_only: list[str]
     route: Route = field(repr=False)  # the forwarder's route: the model's URL and the real key
     socket_path: str = ""  # the forwarder's socket on the host (in the state directory)

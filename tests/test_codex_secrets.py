@@ -164,8 +164,9 @@ PROBE = r"""
 import glob, json, os, socket
 real = {real_pieces!r}
 real = "".join(real)  # never whole in this script, so never whole in a command line
-dummy = os.environ.get("KERNEL_GATEWAY_MODEL_TOKEN", "")
 home = os.environ["CODEX_HOME"]
+config = open(home + "/config.toml").read()
+dummy = config.split("Bearer ", 1)[1].split('"', 1)[0]
 job = os.path.dirname(os.getcwd())
 
 def hits(secret):
@@ -200,7 +201,7 @@ def raw(data):
         pass
     return got.split(b"\r\n", 1)[0].decode("latin-1")
 
-out = {{"real": hits(real), "dummy": hits(dummy)[:3], "env_real": any(real in v for v in os.environ.values()),
+out = {{"real": hits(real), "dummy": hits(dummy), "env_real": any(real in v for v in os.environ.values()),
        "note": os.environ.get("JOB_NOTE"), "home": home}}
 try:
     with open(home + "/config.toml", "a") as f:
@@ -289,10 +290,12 @@ def test_the_key_stays_in_the_gateway_whatever_the_agent_does(tmp_path, endpoint
             probe = json.loads(output["output"].split("PROBE=", 1)[1].splitlines()[0])
             # Inside the sandbox: no key anywhere (the dummy token is found, so the search looked).
             assert probe["real"] == [] and probe["env_real"] is False
-            assert probe["dummy"] and probe["note"] == "allowed" and probe["home"] == "/tmp/codex-home"
+            # The job's dummy token is in Codex's read-only config only: not in any argv or environment.
+            assert probe["dummy"] == ["/tmp/codex-home/config.toml"], probe
+            assert probe["note"] == "allowed" and probe["home"] == "/tmp/codex-home"
             # The config Codex read is the gateway's, read-only, untouched by the agent's rewrite.
             assert probe["config_write"] == 30  # EROFS
-            assert endpoint.url not in probe["config"] and 'env_key = "KERNEL_GATEWAY_MODEL_TOKEN"' in probe["config"]
+            assert endpoint.url not in probe["config"] and "http_headers = { Authorization" in probe["config"]
             # No network but the forwarder's socket.
             assert probe["endpoint"] in ("ConnectionRefusedError", "OSError", "TimeoutError")
             # The forwarder refuses other paths, other hosts, tunnels, missing or wrong tokens, non-HTTP.
@@ -303,11 +306,13 @@ def test_the_key_stays_in_the_gateway_whatever_the_agent_does(tmp_path, endpoint
             assert probe["garbage"].startswith("HTTP/1.1 400") and probe["huge_header"].startswith("HTTP/1.1 431")
             assert probe["smuggled"].startswith("HTTP/1.1 400"), probe
 
-            # From the host: no process of the agent's uid held the key, while the job's did hold its token.
+            # From the host: no process of the agent's uid (the job's bwrap, relay and Codex among them)
+            # holds the key, or the job's token, in its environment or command line.
             processes = seen["processes"]
-            assert processes and not [pid for pid, data in processes.items() if KEY.encode() in data]
-            token = probe["dummy"] and [d for d in processes.values() if b"KERNEL_GATEWAY_MODEL_TOKEN=kg-job-" in d]
-            assert token
+            assert [d for d in processes.values() if b"codex\0exec" in d]
+            assert not [pid for pid, data in processes.items() if KEY.encode() in data]
+            token = probe["config"].split("Bearer ", 1)[1].split('"', 1)[0].encode()
+            assert token.startswith(b"kg-job-") and not [pid for pid, data in processes.items() if token in data]
             # No file of the agent's tree or the gateway's state holds the key.
             assert _found_in([pathlib.Path(gw.root), pathlib.Path(gw.state)], KEY.encode()) == []
         finally:
