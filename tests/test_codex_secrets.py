@@ -256,6 +256,17 @@ def test_the_key_stays_in_the_gateway_whatever_the_agent_does(tmp_path, endpoint
         _give_to_agent(state["root"], job_dir)
         # And from the host, every process of the agent's uid: the job's bwrap, relay, Codex.
         seen["processes"] = _uid_processes(state["uid"])
+        # The job's forwarder socket: the job's own (0600, the agent's uid), and nowhere in another sandbox.
+        egress = pathlib.Path(state["gw"].state) / "egress"
+        seen["sockets"] = {p.name: os.stat(p) for p in egress.iterdir()}
+        reach = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+                 "try:\n    s.connect(sys.argv[1]); print('connected')\n"
+                 "except OSError as e:\n    print(type(e).__name__)\n")
+        seen["reach"] = {
+            agent: state["gw"].client.call("POST", f"/v1/agents/{agent}/commands", {
+                "argv": ["python3", "-c", reach, str(egress / name)]})[1]["stdout"].strip()
+            for agent in ("alice", "bob") for name in seen["sockets"]
+        }
         return tool_call_turn("resp-1", "call-1", "exec_command", {"cmd": "python3 - <<'EOF'\n" + PROBE.format(
             real_pieces=[KEY[:7], KEY[7:]], endpoint_port=endpoint.port, endpoint_url=endpoint.url) + "EOF\n"})
 
@@ -268,6 +279,8 @@ def test_the_key_stays_in_the_gateway_whatever_the_agent_does(tmp_path, endpoint
         try:
             # Before the job: a project config in the directory it copies, naming the agent's endpoint.
             repo = _agent_repo(gw, {"a.txt": "a\n", ".codex/config.toml": evil_config})
+            gw.client.call("PUT", "/v1/agents/bob")
+            state["gw"] = gw
             state["root"] = pathlib.Path(gw.root) / "alice"
             state["uid"] = os.stat(state["root"]).st_uid
             status, job = gw.client.call("POST", "/v1/agents/alice/jobs", {
@@ -313,7 +326,39 @@ def test_the_key_stays_in_the_gateway_whatever_the_agent_does(tmp_path, endpoint
             assert not [pid for pid, data in processes.items() if KEY.encode() in data]
             token = probe["config"].split("Bearer ", 1)[1].split('"', 1)[0].encode()
             assert token.startswith(b"kg-job-") and not [pid for pid, data in processes.items() if token in data]
+            # One socket, the job's, only its agent's uid may use; no sandbox of either agent reaches it
+            # (a job's socket is bound into that job's sandbox only); gone once the job ended.
+            [(name, st)] = seen["sockets"].items()
+            assert name == f"{job['id']}.sock" and st.st_mode & 0o777 == 0o600 and st.st_uid == state["uid"]
+            assert set(seen["reach"].values()) == {"FileNotFoundError"}, seen["reach"]
+            assert os.listdir(pathlib.Path(gw.state) / "egress") == []
             # No file of the agent's tree or the gateway's state holds the key.
             assert _found_in([pathlib.Path(gw.root), pathlib.Path(gw.state)], KEY.encode()) == []
+        finally:
+            gw.stop()
+
+
+def test_a_stored_job_whose_env_the_rules_now_refuse_fails_without_running(tmp_path, endpoint):
+    """A queued record written by an earlier gateway (or edited on disk) is checked again before it runs."""
+    with ScriptedResponses([]) as model:
+        gw = _gateway(tmp_path, model.base_url)
+        try:
+            _agent_repo(gw, {"a.txt": "a\n"})
+        finally:
+            gw.stop()
+        marker = tmp_path / "ran"
+        record = {"id": "0123456789ab", "agent": "alice", "kind": "command", "source": "user-files/repo",
+                  "seq": 1, "created": 1.0, "command": ["/bin/sh", "-c", f"curl -s $HTTPS_PROXY; touch {marker}"],
+                  "env": {"HTTPS_PROXY": endpoint.url}, "state": "queued"}
+        folder = pathlib.Path(gw.state) / "jobs" / "alice"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "0123456789ab.json").write_text(json.dumps(record))
+        gw.start()
+        try:
+            status, job = gw.client.call("GET", "/v1/agents/alice/jobs/0123456789ab?wait=1", timeout=300)
+            assert status == 200 and job["state"] == "failed", job
+            assert "env.HTTPS_PROXY" in job["error"] and "not allowed" in job["error"], job
+            assert not os.path.exists(os.path.join(gw.root, "alice", "jobs", "0123456789ab"))
+            assert endpoint.received == [] and not marker.exists()
         finally:
             gw.stop()
