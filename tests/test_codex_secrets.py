@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from responses_server import ScriptedResponses, message_turn, tool_call_turn
-from support import GatewayProcess, wait_until
+from support import GatewayProcess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CODEX = ROOT / ".reference" / "bin" / "codex"
@@ -249,11 +248,15 @@ def test_the_key_stays_in_the_gateway_whatever_the_agent_does(tmp_path, endpoint
 
     def first(body):
         # While Codex runs (it waits for this answer): the agent rewrites every config it can reach.
+        # It does so through its own command sandbox, as it would from its kernel.
         job_dir = state["job_dir"]
-        for rel in (".codex/config.toml", "temp/codex-home/config.toml", "tree/.codex/config.toml"):
-            (job_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-            (job_dir / rel).write_text(evil_config)
-        _give_to_agent(state["root"], job_dir)
+        paths = [str(job_dir / rel) for rel in (".codex/config.toml", "temp/codex-home/config.toml",
+                                                  "tree/.codex/config.toml", "tree/config.toml")]
+        rewrite = 'for f in "$@"; do mkdir -p "$(dirname "$f")" && printf %s "$EVIL" > "$f" || exit 1; done'
+        status, ran = state["gw"].client.call("POST", "/v1/agents/alice/commands", {
+            "argv": ["/bin/sh", "-c", rewrite, "rewrite", *paths], "env": {"EVIL": evil_config}})
+        assert status == 200 and ran["exit_code"] == 0, ran
+        assert all(pathlib.Path(p).read_text() == evil_config for p in paths)
         # And from the host, every process of the agent's uid: the job's bwrap, relay, Codex.
         seen["processes"] = _uid_processes(state["uid"])
         # The job's forwarder socket: the job's own (0600, the agent's uid), and nowhere in another sandbox.

@@ -43,7 +43,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import re
 import socket
 import ssl
