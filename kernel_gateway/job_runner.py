@@ -692,7 +692,17 @@ async def apply_patch(ctx: Context, job: Any, data: bytes) -> dict:
 
 
 async def remove_workspace(ctx: Context, job: Any) -> None:
-    """``rm -rf jobs/<id>`` as the agent, in its command sandbox (never as root on the host)."""
-    ran = await _in_command_sandbox(ctx, ["rm", "-rf", "--", job.workspace], cwd=".")
+    """``rm -rf jobs/<id>`` as the agent, in its command sandbox (never as root on the host).
+
+    The workspace is the agent's: made read-only, it is made writable again
+    first (as the agent, who owns it); what still cannot go is a 409.
+    """
+    ran = await _in_command_sandbox(
+        ctx, ["/bin/sh", "-c", 'chmod -R u+w -- "$1" 2>/dev/null; rm -rf -- "$1"', "remove", job.workspace], cwd=".")
     if ran["exit_code"] != 0:
-        raise GatewayError(500, "remove_failed", f"could not remove {job.workspace}: {ran['stderr'].strip()}")
+        lines = ran["stderr"].strip().splitlines()
+        raise GatewayError(
+            409, "remove_failed",
+            f"could not remove {job.workspace}: {'; '.join(lines[:3])[:500]}" + (f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""),
+            f"make {job.workspace} and what is in it writable and owned by the agent, then delete again",
+        )

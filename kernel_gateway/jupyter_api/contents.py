@@ -407,6 +407,9 @@ class Contents:
             raise bad_request("the root cannot be renamed", code="invalid_path")
         if old == new:
             return self.get(new, content=False)
+        if new.startswith(old + "/"):
+            raise bad_request(f"cannot move {old!r} into itself ({new!r})", "choose a path outside it",
+                              code="invalid_path")
         self._stat(old)  # 404 if missing, 403 if it leads out
         src_fd, src_name = self._parent_fd(old)
         try:
@@ -416,7 +419,12 @@ class Contents:
                 self._guard(dst_fd, dst_name, new)
                 if self._exists_in(dst_fd, dst_name):
                     raise conflict(f"File already exists: {new}", code="exists")
-                wp.rename_at(src_fd, src_name, dst_fd, dst_name)
+                try:
+                    wp.rename_at(src_fd, src_name, dst_fd, dst_name)
+                except OSError as e:  # the tree changed under the checks: the agent's doing, not a bug
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    raise conflict(f"cannot rename {old!r} to {new!r}: {e.strerror}", code="rename_failed") from None
             finally:
                 os.close(dst_fd)
         finally:

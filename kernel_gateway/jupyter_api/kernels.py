@@ -136,7 +136,12 @@ class AgentKernels:
             where = fs.resolve_in_root(root, path.lstrip("/"))
         except fs.PathOutsideRoot:
             raise bad_request(f"path {path!r} is outside the agent's tree", code="path_outside_root") from None
-        return str(where if where.is_dir() else where.parent)
+        folder = where if where.is_dir() else where.parent
+        if not folder.is_dir():  # (Jupyter Server walks up to a folder that exists; a clear 404 says more)
+            raise not_found(f"the folder of path {path!r} does not exist in the agent's tree",
+                            "create it first (PUT .../api/contents/<folder> with {\"type\": \"directory\"}), "
+                            "or leave 'path' out", code="no_such_directory")
+        return str(folder)
 
     async def start(self, name: Any = None, path: Any = None) -> dict:
         """A new kernel (a fresh gateway session), answered once it is ready."""
