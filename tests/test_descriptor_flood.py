@@ -291,3 +291,21 @@ def test_every_listener_has_a_deep_backlog_and_a_burst_of_connects_gets_no_eagai
         for s in socks:
             s.close()
     others_are_served(gw)
+
+
+def test_clients_that_send_a_request_and_reset_at_once_leave_no_traceback(gw):
+    """The refusal is written to a connection already gone: nothing to log but the count."""
+    import struct
+
+    log_before = os.path.getsize(gw.log)
+    for i in range(300):
+        s = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends a reset
+        token = gw.tokens["bob"] if i % 2 else "wrong"  # with and without a valid token
+        s.sendall(f"GET /agents/alice/api/status HTTP/1.1\r\nHost: x\r\nAuthorization: token {token}\r\n\r\n".encode())
+        s.close()
+    others_are_served(gw)
+    with open(gw.log, errors="replace") as f:
+        f.seek(log_before)
+        said = f.read()
+    assert "Traceback" not in said and "ERROR" not in said, said[-3000:]

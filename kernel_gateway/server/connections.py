@@ -150,7 +150,11 @@ class _TokenCheck(httputil.HTTPMessageDelegate):
         except GatewayError as e:
             self.gate.count_refusal(TCP, e.code)
             stream = self.request_conn.detach()  # no body is read, nothing else runs
-            written = stream.write(refusal(e.status, e.code, e.message, e.hint, jupyter=True))
+            try:
+                written = stream.write(refusal(e.status, e.code, e.message, e.hint, jupyter=True))
+            except iostream.StreamClosedError:  # the client left already
+                stream.close()
+                return None
             written.add_done_callback(lambda _f: stream.close())
             return None
         return self.inner.headers_received(start_line, headers)
