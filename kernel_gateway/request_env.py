@@ -14,8 +14,8 @@ The rules:
   own sandbox, which holds no secret and has no network; whatever a variable
   could change there, the command line could change too.
 - ``command_job``: any well-formed name except those that redirect or
-  re-root what a process trusts or talks to: proxies (``*_PROXY`` in any
-  case), TLS trust (``SSL_*``, ``*_CA_BUNDLE``, ``NODE_*``...), the dynamic
+  re-root what a process trusts or talks to: proxies (any name with
+  ``PROXY``, in any case; ``GIT_CONFIG*``, ``CURL_HOME``, ``WGETRC``), TLS trust (``SSL_*``, ``*_CA_BUNDLE``, ``NODE_*``...), the dynamic
   loader (``LD_*``), Codex's and the model's own (``CODEX_*``, ``OPENAI_*``,
   every model profile's ``env_key``) and the gateway's (``KERNEL_GATEWAY_*``,
   ``JLK_*``).  A command job is the agent's own code, but it is the same job
@@ -55,7 +55,9 @@ CODEX_JOB_PREFIX = "JOB_"
 
 # (pattern over the upper-cased name, why it is refused): the deny-list of both job kinds.
 DENIED: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), why) for p, why in (
-    (r".*_PROXY|PROXY_.*|.*_PROXY_.*", "proxy variables (*_PROXY, in any case) send a process's requests through another endpoint"),
+    (r".*PROXY.*", "proxy variables (*_PROXY and any name with PROXY, in any case) send a process's requests "
+                   "through another endpoint"),
+    (r"GIT_CONFIG.*|CURL_HOME|WGETRC", "these name configuration that can set a proxy or TLS trust"),
     (r"SSL_.*|.*_CA_BUNDLE|.*_CA_CERTS?|.*CERT_FILE|.*CERT_DIR|.*_TLS_.*|TLS_.*|GIT_SSL_.*|PIP_CERT",
      "TLS variables change which servers a process trusts"),
     (r"NODE_.*|NPM_CONFIG_.*", "Node variables (NODE_*) load code and change TLS trust in every Node process"),
