@@ -421,7 +421,7 @@ class Library:
             wp.rename_in_root(top, SKILLS_DIR, f"{SKILLS_DIR}.displaced-{secrets.token_hex(4)}")
             st = None
         if st is None:
-            wp.mkdirs_in_root(top, SKILLS_DIR)
+            wp.make_dirs_nofollow(top, SKILLS_DIR, keep_ours=True)
         for name in DOCUMENTS:
             st = wp.lstat_in_root(top, name)
             if st is not None and not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
@@ -429,7 +429,7 @@ class Library:
                 st = None
             if st is None:
                 try:
-                    os.close(wp.open_in_root(top, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    os.close(wp.open_nofollow(top, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, keep_ours=True))
                 except FileExistsError:
                     pass
         self._replay_journal(agent)
@@ -443,12 +443,14 @@ class Library:
         """Stage the files in installed-skills/.staging-*, then rename the directory into place."""
         token = secrets.token_hex(6)
         staging = f"{SKILLS_DIR}/{_STAGING}{token}"
-        wp.mkdirs_in_root(top, staging)
+        # Through no symlink, and the gateway's: the operator manages them, the agent only reads them.
+        wp.make_dirs_nofollow(top, staging, keep_ours=True)
         try:
             for path, data in sorted(files.items()):
                 if "/" in path:
-                    wp.mkdirs_in_root(top, f"{staging}/{os.path.dirname(path)}")
-                fd = wp.open_in_root(top, f"{staging}/{path}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                    wp.make_dirs_nofollow(top, f"{staging}/{os.path.dirname(path)}", keep_ours=True)
+                fd = wp.open_nofollow(top, f"{staging}/{path}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644,
+                                      keep_ours=True)
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()

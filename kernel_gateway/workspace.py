@@ -22,7 +22,7 @@ import os
 import re
 
 from .errors import GatewayError, bad_request
-from .fs import PathOutsideRoot, make_dirs_nofollow, open_in_root
+from .fs import PathOutsideRoot, make_dirs_nofollow, open_nofollow
 
 AGENT_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 DOCUMENTS = ("SOUL.md", "MISSION.md", "DESIGN.md")
@@ -76,7 +76,7 @@ def create_agent_tree(root: str, agent: str) -> bool:
     for name in DOCUMENTS:
         try:
             # O_EXCL: never overwrite what the agent or an operator wrote (nor follow a symlink there).
-            os.close(open_in_root(top, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+            os.close(open_nofollow(top, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, keep_ours=True))
         except FileExistsError:
             pass
     return created

@@ -256,6 +256,8 @@ def _install_demo_skill(gw, extra: dict) -> str:
 def test_delete_checkpoint_is_refused_where_the_library_protects_the_folder_reached(gw, alice):
     demo = _install_demo_skill(gw, {".ipynb_checkpoints/SKILL-checkpoint.md": "operator's\n",
                                     "SOUL-checkpoint.md": "operator's too\n"})
+    for rel in ("", "SKILL.md", ".ipynb_checkpoints", ".ipynb_checkpoints/SKILL-checkpoint.md"):
+        assert os.stat(os.path.join(demo, rel)).st_uid == os.geteuid()  # the Library's, not the agent's
     before = fingerprint(demo)
     # Straight at the skill's own checkpoint...
     status, body = alice.call("DELETE", "api/contents/installed-skills/demo/SKILL.md/checkpoints/checkpoint")

@@ -642,19 +642,20 @@ def read_regular_in_root(root, path, max_bytes: int, cwd=None, follow_final: boo
     return data
 
 
-def make_dirs_nofollow(root, path, cwd=None) -> None:
+def make_dirs_nofollow(root, path, cwd=None, keep_ours: bool = False) -> None:
     """Create `path` and its missing parents beneath `root`, following no symlink at all.
 
     Each step is ``mkdirat`` then an ``O_NOFOLLOW | O_DIRECTORY`` open of what
     is there, so a component the agent replaced with a symlink (even one that
     points inside its own tree) is refused with SymlinkRefused, and nothing is
-    created past it.  Created directories go to the agent root's owner.
+    created past it.  Created directories go to the agent root's owner, unless
+    `keep_ours` (what the operator manages there: the Library's).
     """
     root = os.fspath(root)
     parts = _relative_parts(root, path, cwd)
     fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        owner = _owner(fd)
+        owner = (os.geteuid(), os.getegid()) if keep_ours else _owner(fd)
         for name in parts:
             try:
                 os.mkdir(name, 0o777, dir_fd=fd)
@@ -741,7 +742,7 @@ def _create_at(dir_fd: int, name: str, flags: int, mode: int, owner: tuple[int, 
     return fd
 
 
-def open_nofollow(root, path, flags, mode=0o644, cwd=None, regular: bool = True) -> int:
+def open_nofollow(root, path, flags, mode=0o644, cwd=None, regular: bool = True, keep_ours: bool = False) -> int:
     """An fd for `path` beneath `root`, reached through no symlink at all.
 
     For the gateway's own writes in an agent's tree (spilled output, job
@@ -750,7 +751,8 @@ def open_nofollow(root, path, flags, mode=0o644, cwd=None, regular: bool = True)
     read (``installed-skills/``).  ``O_NONBLOCK`` always, so a FIFO never
     waits; with `regular` anything but a regular file is refused
     (NotRegularFile) unless a directory or ``O_PATH`` was asked for.  A file
-    created here belongs to the agent root's owner.
+    created here belongs to the agent root's owner, unless `keep_ours` (the
+    Library's files, which the operator manages and the agent only reads).
     """
     root = os.fspath(root)
     parts = _relative_parts(root, path, cwd)
@@ -758,7 +760,7 @@ def open_nofollow(root, path, flags, mode=0o644, cwd=None, regular: bool = True)
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     fds = [root_fd]
     try:
-        owner = _owner(root_fd)
+        owner = (os.geteuid(), os.getegid()) if keep_ours else _owner(root_fd)
         if not parts:
             fd = os.open(".", flags & ~(os.O_CREAT | os.O_EXCL), dir_fd=root_fd)
         else:
