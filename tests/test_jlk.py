@@ -839,3 +839,57 @@ def test_a_syntax_error_names_the_cell_and_shows_the_caret(jlk):
     as_json = json.loads(jlk("--session", "syntax", "execute", "--code", "if True:\nprint(1)", "--json").stdout)
     assert as_json["error"]["ename"] == "IndentationError"
     assert "(Cell In[" in as_json["error"]["evalue"] and ".py" not in as_json["error"]["evalue"]
+
+
+# --- jlk's own HTTP: every answer shape a server may give, and garbage ---------------------
+
+
+def serve_once(path: Path, answer: bytes) -> "threading.Thread":
+    """A Unix socket at ``path`` that reads one request and sends ``answer`` as it is, then closes."""
+    import threading
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def run():
+        connection, _ = server.accept()
+        with connection:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            connection.sendall(answer)
+        server.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("shape", ["content-length", "chunked", "until-close"])
+def test_jlk_reads_every_answer_shape(tmp_path, shape):
+    body = json.dumps({"sessions": [{"id": "s1", "state": "idle"}]}).encode()
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    answer = {
+        "content-length": head + b"Content-Length: %d\r\n\r\n" % len(body) + body,
+        "chunked": head + b"Transfer-Encoding: chunked\r\n\r\n"
+                   + b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:7], body[7:])) + b"0\r\n\r\n",
+        "until-close": head + b"Connection: close\r\n\r\n" + body,
+    }[shape]
+    thread = serve_once(tmp_path / "gw.sock", answer)
+    done = subprocess.run([sys.executable, JLK, "--socket", str(tmp_path / "gw.sock"), "--agent", "a", "sessions",
+                           "--json"], capture_output=True, text=True, timeout=60, env=clean_env())
+    thread.join(timeout=30)
+    assert (done.returncode, json.loads(done.stdout)) == (0, json.loads(body)), done.stderr
+
+
+@pytest.mark.parametrize("answer", [b"", b"garbage\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n{}",
+                                    b"HTTP/1.1 200 OK\r\nContent-Length: lots\r\n\r\n{}",
+                                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"])
+def test_a_broken_answer_exits_3_without_a_traceback(tmp_path, answer):
+    thread = serve_once(tmp_path / "gw.sock", answer)
+    done = subprocess.run([sys.executable, JLK, "--socket", str(tmp_path / "gw.sock"), "--agent", "a", "sessions"],
+                          capture_output=True, text=True, timeout=60, env=clean_env())
+    thread.join(timeout=30)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.startswith("jlk: cannot reach the kernel gateway") and "Traceback" not in done.stderr
