@@ -213,6 +213,6 @@ def _patch_targets(root: str, patch: str, cwd: str) -> list[str]:
         for raw in filter(None, (hunk.path, hunk.move_to)):
             try:
                 targets.append(str(fs.resolve_in_root(root, raw, cwd)))
-            except fs.PathOutsideRoot:
-                pass  # apply_patch refuses it, with its own message
+            except (fs.PathOutsideRoot, OSError):
+                pass  # apply_patch refuses it (or fails on it), with its own message
     return targets

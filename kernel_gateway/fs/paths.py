@@ -201,6 +201,9 @@ def _walk(root: str, parts: list[str], follow_final: bool = True, create_dirs: b
                 return fds, name, resolved + [name], True
             # O_NOFOLLOW: a symlink swapped in since the stat is refused (ENOTDIR).
             flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            if not stat.S_ISDIR(st.st_mode) and not create_dirs:
+                # A file on the way: nothing lies beyond it, as with a missing directory.
+                return fds, name, _fold_tail(root, parts, resolved + [name], todo), False
             fds.append(os.open(name, flags, dir_fd=fds[-1]))
             resolved.append(name)
         return fds, "", resolved, True
@@ -495,6 +498,36 @@ def read_tree_in_root(root, path, max_files: int, max_bytes: int, cwd=None) -> d
         return files if read_dir(top, "") else None
     finally:
         os.close(top)
+
+
+_ERRNO_REFUSALS = {
+    errno.ENOENT: (404, "not_found", "no such file or directory"),
+    errno.ENOTDIR: (404, "not_found", "a part of the path is not a directory"),
+    errno.ENAMETOOLONG: (400, "invalid_path", "a name would be too long"),
+    errno.EISDIR: (400, "is_a_directory", "it is a directory"),
+    errno.ENOTEMPTY: (400, "not_empty", "the directory is not empty"),
+    errno.EEXIST: (409, "exists", "it already exists"),
+    errno.ELOOP: (403, "path_outside_root", "it is, or goes through, a symlink"),
+    errno.EXDEV: (403, "path_outside_root", "it leads outside the agent's tree"),
+    errno.EACCES: (403, "permission_denied", "permission denied"),
+    errno.EPERM: (403, "permission_denied", "operation not permitted"),
+    errno.EROFS: (403, "read_only", "read-only"),
+    errno.ENXIO: (400, "not_a_file", "it is a FIFO or socket with no other end"),
+    errno.EINVAL: (400, "invalid_path", "the operation does not apply to it"),
+    errno.EFBIG: (413, "too_large", "it is over a limit"),
+    errno.ENOSPC: (507, "disk_full", "the agent's disk is full"),
+    errno.EDQUOT: (507, "disk_full", "the agent's disk quota is used up"),
+}
+
+
+def refusal(err: OSError, path) -> GatewayError | None:
+    """The clear 4xx (507 for a full disk) for an OSError of a call of this layer, or None."""
+    known = _ERRNO_REFUSALS.get(err.errno)
+    if known is None:
+        return None
+    status, code, why = known
+    shown = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+    return GatewayError(status, code, f"{shown[:300]}: {why}")
 
 
 def fd_path(fd: int) -> str:
@@ -855,6 +888,7 @@ __all__ = [
     "remove_tree_in_root",
     "lstat_in_root",
     "read_tree_in_root",
+    "refusal",
     "fd_path",
     "open_in_root_unless",
     "unlink_in_root_unless",

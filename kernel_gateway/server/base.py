@@ -32,7 +32,7 @@ from typing import Any
 
 from tornado import iostream, web
 
-from .. import json_input
+from .. import fs, json_input
 from ..errors import GatewayError, bad_request, disk_full
 from ..workspace import check_agent_key
 
@@ -166,7 +166,13 @@ class BaseHandler(web.RequestHandler):
         share (``core.workers``: fs/workers.py), never on the loop.  Call it after :meth:`agent_arg`."""
         if self._agent is None:
             raise RuntimeError("off_loop before agent_arg: whose share would this work count against?")
-        return await self.core.workers.run(self._agent, fn, *args, **kwargs)
+        try:
+            return await self.core.workers.run(self._agent, fn, *args, **kwargs)
+        except OSError as err:  # the tree changed under the work, or a name no call could take: a clear 4xx
+            refused = fs.refusal(err, self.request.path)
+            if refused is None:
+                raise
+            raise refused from None
 
     def query_int(self, name: str, default: int | None, minimum: int = 0) -> int | None:
         raw = self.get_query_argument(name, None)
