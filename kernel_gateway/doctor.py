@@ -295,7 +295,7 @@ def check_disk_quota() -> Check:
 
 def check_uid_mode(bwrap: str, python: str, uid_start: int) -> Check:
     """Which host uid sandboxes run as; as root, a test sandbox really runs as the first agent uid."""
-    from .agent_uids import own_tree
+    from .fs import own_tree
     from .provisioner import python_env_paths
 
     if os.geteuid() != 0:

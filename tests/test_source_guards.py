@@ -151,8 +151,6 @@ FS_MODULES_ALLOWED = {
 FS_FUNCTIONS_ALLOWED = {
     ("agent_uids.py", "AgentUids.__init__"): "the uid map in the state directory",
     ("agent_uids.py", "AgentUids.run_as"): "<root>/<agent> itself, the gateway's directory",
-    ("agent_uids.py", "own_tree"): "the first chown of a tree: fwalk(follow_symlinks=False) from an O_NOFOLLOW fd",
-    ("agent_uids.py", "_own_entry"): "one chown through an O_PATH|O_NOFOLLOW fd (fchownat AT_EMPTY_PATH)",
     ("agents.py", "AgentRegistry.load"): "<root>/<agent> itself, the gateway's directory",
     ("workspace.py", "create_agent_tree"): "<root>/<agent> itself, the gateway's directory",
     ("jobs.py", "JobStore.save"): "job records in the state directory",

@@ -22,7 +22,7 @@ import threading
 
 import pytest
 
-from kernel_gateway import agent_uids
+from kernel_gateway import agent_uids, fs
 from kernel_gateway.kernel_output import LINE_MAX, LOG_MAX, KernelOutput
 from kernel_gateway.sandbox import launch, reach
 
@@ -183,7 +183,7 @@ def test_both_trampolines_set_limits_and_uid_before_bwrap(tmp_path, helper):
 
     tree = tmp_path / "agent"
     tree.mkdir()
-    agent_uids.own_tree(str(tree), 232000, 232000)
+    fs.own_tree(str(tree), 232000, 232000)
     prefix, base = python_env_paths(sys.executable)
     values = {"agent": "t", "agent_root": str(tree), "workspace": str(tree), "python_prefix": prefix,
               "python_base_prefix": base, "python_bin": os.path.join(prefix, "bin")}  # fmt: skip
@@ -387,7 +387,7 @@ def test_own_tree_keeps_what_it_is_told_to_keep(tmp_path):
     (tree / "installed-skills" / "s").mkdir(parents=True)
     (tree / "SOUL.md").write_text("soul")
     (tree / "user-files").mkdir()
-    agent_uids.own_tree(str(tree), 300124, 300124, keep=("installed-skills", "SOUL.md"))
+    fs.own_tree(str(tree), 300124, 300124, keep=("installed-skills", "SOUL.md"))
     assert os.stat(tree / "user-files").st_uid == 300124
     for path in (tree / "installed-skills", tree / "installed-skills" / "s", tree / "SOUL.md"):
         assert os.stat(path).st_uid == 0, path
@@ -401,7 +401,7 @@ def test_own_tree_never_follows_symlinks_or_hard_links(tmp_path):
     (tree / "sub" / "file").write_text("x")
     os.symlink(outside, tree / "link")
     os.link(outside, tree / "hard")
-    agent_uids.own_tree(str(tree), 300123, 300123)
+    fs.own_tree(str(tree), 300123, 300123)
     assert os.stat(outside).st_uid == 0  # neither through the symlink nor through the hard link
     assert os.lstat(tree / "link").st_uid == 300123
     for path in (tree, tree / "sub", tree / "sub" / "file"):
@@ -427,7 +427,7 @@ def test_provisioner_kernel_runs_as_the_configured_uid_with_a_clean_host_env(san
     uid = 231000
     tree = tmp_path / "agent"
     tree.mkdir()
-    agent_uids.own_tree(str(tree), uid, uid)
+    fs.own_tree(str(tree), uid, uid)
     # An os.environ-derived env that tries to reach the host-side processes.
     monkeypatch.setenv("LD_PRELOAD", "/nonexistent/host-side.so")
     monkeypatch.setenv("KERNEL_GATEWAY_BAD NAME", "x")

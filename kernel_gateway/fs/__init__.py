@@ -21,4 +21,7 @@ of a pool of threads of its own.
 """
 
 from .paths import *  # noqa: F401,F403  (the layer's API: see paths.__all__)
-from .paths import __all__  # noqa: F401
+from .ownership import own_tree  # noqa: F401
+from .paths import __all__ as _paths_all
+
+__all__ = [*_paths_all, "own_tree"]
