@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -356,8 +357,12 @@ def test_a_stored_job_whose_env_the_rules_now_refuse_fails_without_running(tmp_p
         folder = pathlib.Path(gw.state) / "jobs" / "alice"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "0123456789ab.json").write_text(json.dumps(record))
+        stale = pathlib.Path(gw.state) / "egress" / "ba5eba11f00d.sock"  # as a killed gateway leaves one
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(stale))
         gw.start()
         try:
+            assert not stale.exists()
             status, job = gw.client.call("GET", "/v1/agents/alice/jobs/0123456789ab?wait=1", timeout=300)
             assert status == 200 and job["state"] == "failed", job
             assert "env.HTTPS_PROXY" in job["error"] and "not allowed" in job["error"], job

@@ -123,6 +123,11 @@ class GatewayServer:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise SystemExit(f"another gateway is running with the state directory {s.state_dir}") from None
+        # Forwarder sockets a stopped gateway left: their jobs read ``lost`` now, nobody serves them.
+        egress = os.path.join(s.state_dir, "egress")
+        for name in os.listdir(egress):
+            if name.endswith(".sock"):
+                os.unlink(os.path.join(egress, name))
 
     def _listen(self, path: str, scope: str | None) -> None:
         # Through the gate: caps per agent socket, and no spinning when descriptors run out.
