@@ -61,6 +61,24 @@ class Upstream_:
                     self._chunk(b"event: two\ndata: 2\n\n")
                     self._chunk(b"")
                     return
+                if self.path == "/v1/echo":  # a careless upstream: it echoes the request's credential
+                    auth = owner.requests[-1]["headers"]["authorization"].encode()
+                    self.send_response(401)
+                    self.send_header("X-Echo", auth.decode())
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    half = len(auth) // 2
+                    self._chunk(b"data: " + auth[:half])  # split across chunks
+                    self._chunk(auth[half:] + b" and again " + auth + b"\n\n")
+                    self._chunk(b"")
+                    return
+                if self.path == "/v1/gzip":
+                    self.send_response(200)
+                    self.send_header("Content-Encoding", "gzip")
+                    self.send_header("Content-Length", "3")
+                    self.end_headers()
+                    self.wfile.write(b"xyz")
+                    return
                 self._send(b'{"echo": %d}' % len(owner.requests[-1]["body"]))
 
             def _chunk(self, data: bytes):
@@ -294,3 +312,26 @@ def test_upstream_urls_and_reprs():
             Upstream.from_url(bad)
     route = Route(up, DUMMY, {"Authorization": f"Bearer {REAL}"})
     assert REAL not in repr(route) and REAL not in str([route])
+
+
+def test_the_credential_is_masked_in_what_comes_back_and_encoded_answers_refused(setup):
+    forwarder, upstream, path = setup
+    response = _exchange(path, _request("POST", "/v1/echo", b"{}", extra="Accept-Encoding: gzip, zstd\r\n"))
+    assert response.startswith(b"HTTP/1.1 401") and b"data: Bearer " in response and b" and again Bearer " in response
+    assert REAL.encode() not in response and b"*" * len(REAL) in response
+    assert response.lower().count(b"x-echo: bearer " + b"*" * len(REAL)) == 1
+    assert upstream.requests[-1]["headers"]["accept-encoding"] == "identity"
+    status, error = _error(_exchange(path, _request("POST", "/v1/gzip", b"{}")))
+    assert (status, error["code"]) == (502, "upstream_encoded")
+
+
+def test_the_scrubber_holds_back_only_what_could_start_a_secret():
+    from kernel_gateway.egress.forwarder import Scrubber
+
+    scrubber = Scrubber([b"sk-secret-1234"])
+    assert scrubber.feed(b"event: a\n\n") == b"event: a\n\n"  # nothing held: streams as it comes
+    assert scrubber.feed(b"x sk-sec") == b"x "
+    assert scrubber.feed(b"ret-1234 y sk") == b"*" * 14 + b" y "
+    assert scrubber.feed(b"ip") == b"skip"
+    assert scrubber.feed(b"sk-secret-12") == b""
+    assert scrubber.flush() == b"sk-secret-12"  # the end of the answer: what was held goes out

@@ -21,7 +21,10 @@ nothing after the first request is ever read: no keep-alive smuggling):
   :attr:`Limits.body_bytes` (a declared larger ``Content-Length`` is refused
   before anything is sent);
 - the response is streamed back as it arrives (server-sent events are never
-  held whole), its hop-by-hop headers dropped.
+  held whole), its hop-by-hop headers dropped, and the route's credential
+  masked wherever it appears (an upstream that echoes a request's headers
+  would otherwise hand it to the sandbox): the upstream is asked for an
+  unencoded answer, and an encoded one, which could not be checked, is a 502.
 
 Every refusal is a JSON ``{"error": {"code", "message", "hint"}}`` with a 4xx
 (a 502 or 504 when the upstream fails), and never quotes the credential.
@@ -60,6 +63,7 @@ log = logging.getLogger("kernel_gateway.egress")
 _REQUEST_DROPPED = frozenset({
     b"connection", b"keep-alive", b"proxy-authorization", b"proxy-authenticate", b"proxy-connection",
     b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"authorization", b"expect",
+    b"accept-encoding",  # the answer comes unencoded, so that it can be checked for the credential
 })
 _RESPONSE_DROPPED = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-connection", b"te", b"trailer",
@@ -124,6 +128,11 @@ class Route:
     def __repr__(self) -> str:  # a log line or a traceback never carries the credential
         return f"Route({self.upstream.describe()})"
 
+    def secrets(self) -> list[bytes]:
+        """The credentials this route injects (``Bearer sk-...`` gives ``sk-...``): masked in responses."""
+        found = {value.split(" ", 1)[-1].encode() for value in self.inject.values()}
+        return sorted((v for v in found if len(v) >= 8), key=len, reverse=True)
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -150,6 +159,38 @@ def _reason(status: int) -> bytes:
 
 def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
     return [value for key, value in headers if key == name]
+
+
+class Scrubber:
+    """Masks secrets in a stream of chunks (same length, so a Content-Length stays true).
+
+    Only a chunk's tail that could be the start of a secret is held back until the next
+    chunk: an event stream's events still go out as they arrive.
+    """
+
+    def __init__(self, secrets: Sequence[bytes]):
+        self.secrets = [s for s in secrets if s]
+        self._carry = b""
+
+    def mask(self, data: bytes) -> bytes:
+        for secret in self.secrets:
+            data = data.replace(secret, b"*" * len(secret))
+        return data
+
+    def feed(self, data: bytes) -> bytes:
+        data = self.mask(self._carry + data)
+        hold = 0
+        for secret in self.secrets:
+            for n in range(min(len(secret) - 1, len(data)), hold, -1):
+                if data.endswith(secret[:n]):
+                    hold = n
+                    break
+        self._carry = data[len(data) - hold:] if hold else b""
+        return data[:len(data) - hold]
+
+    def flush(self) -> bytes:
+        data, self._carry = self._carry, b""
+        return data
 
 
 class Forwarder:
@@ -274,7 +315,7 @@ class Forwarder:
         headers = [(k, v) for k, v in request.headers if k not in _REQUEST_DROPPED]
         if _header(request.headers, b"transfer-encoding"):  # h11 took it only as chunked; so is it sent on
             headers.append((b"transfer-encoding", b"chunked"))
-        headers += [(b"host", upstream.authority.encode())]
+        headers += [(b"host", upstream.authority.encode()), (b"accept-encoding", b"identity")]
         headers += [(k.lower().encode(), v.encode()) for k, v in route.inject.items()]
         headers += [(b"connection", b"close")]
         try:
@@ -308,7 +349,7 @@ class Forwarder:
                 if isinstance(event, h11.EndOfMessage):
                     break
             self.requests += 1
-            await self._relay_response(client, writer, upstream_conn, up_reader, upstream)
+            await self._relay_response(client, writer, upstream_conn, up_reader, upstream, Scrubber(route.secrets()))
         except (OSError, h11.LocalProtocolError) as e:
             raise Refused(502, "upstream_failed", f"the model at {upstream.describe()} failed: {type(e).__name__}") from None
         finally:
@@ -316,7 +357,8 @@ class Forwarder:
 
     async def _relay_response(self, client: h11.Connection, writer: asyncio.StreamWriter,
                               upstream_conn: h11.Connection, up_reader: asyncio.StreamReader,
-                              upstream: Upstream) -> None:
+                              upstream: Upstream, scrubber: Scrubber) -> None:
+        """The upstream's answer, as it arrives, with the route's credential masked wherever it appears."""
         started = False
         try:
             while True:
@@ -331,15 +373,24 @@ class Forwarder:
                 if isinstance(event, h11.InformationalResponse):
                     continue
                 if isinstance(event, h11.Response):
-                    headers = [(k, v) for k, v in event.headers if k not in _RESPONSE_DROPPED]
+                    encodings = {v.strip().lower() for v in b",".join(_header(event.headers, b"content-encoding")).split(b",")}
+                    if encodings - {b"", b"identity"}:
+                        raise Refused(502, "upstream_encoded", f"the model at {upstream.describe()} answered "
+                                      "encoded although asked not to: it cannot be checked, so it is not passed on")
+                    headers = [(k, scrubber.mask(v)) for k, v in event.headers if k not in _RESPONSE_DROPPED]
                     headers.append((b"connection", b"close"))
                     writer.write(client.send(h11.Response(status_code=event.status_code, headers=headers,
                                                           reason=event.reason)))
                     started = True
                 elif isinstance(event, h11.Data):
-                    writer.write(client.send(event))  # as it comes: an event stream is never held whole
+                    data = scrubber.feed(bytes(event.data))  # as it comes: an event stream is never held whole
+                    if data:
+                        writer.write(client.send(h11.Data(data=data)))
                 elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                     if started and isinstance(event, h11.EndOfMessage):
+                        rest = scrubber.flush()
+                        if rest:
+                            writer.write(client.send(h11.Data(data=rest)))
                         writer.write(client.send(h11.EndOfMessage()))
                     break
                 await writer.drain()
