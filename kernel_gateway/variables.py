@@ -20,15 +20,20 @@ session's shell lock): replies that are not ours are skipped.
 The kernel is the agent's, so its reply is hostile too: the inspector's
 shell socket takes no message over :data:`MAX_REPLY_BYTES` (ZMQ drops the
 connection, which is watched, so a too-large reply is refused at once, not
-waited for), and the answer is bounded before it is parsed (a string literal
-of at most :data:`MAX_REPLY_CHARS`, then :mod:`kernel_gateway.json_input`).
+waited for), and the answer is bounded before it is parsed: the kernel
+sends its JSON base64-encoded, so IPython's text/plain of it is that ASCII
+between quotes, which is checked (at most :data:`MAX_REPLY_CHARS`) and
+decoded without evaluating anything, then parsed by
+:mod:`kernel_gateway.json_input`.
 A kernel that refuses the inspection or answers garbage gets 409
 ``inspection_failed`` / ``bad_kernel_reply``, never a 500.
 """
 
 from __future__ import annotations
 
-import ast
+import base64
+import binascii
+import re
 import asyncio
 import keyword
 import queue
@@ -44,15 +49,16 @@ from kernel_gateway.errors import GatewayError, bad_request, not_found
 
 MAX_LIMIT = 10_000
 MAX_PREVIEW_CHARS = 1_000_000
-# The answer's text/plain: the repr of a JSON string (a 10,000-name listing or a 1,000,000-character
-# preview, escaped twice, fits); and the whole execute_reply, as the inspector's shell socket takes it.
-MAX_REPLY_CHARS = 8 << 20
+# The answer's text/plain: the repr of its base64 (a 10,000-name listing, or a 1,000,000-character
+# preview of \uXXXX escapes, fits); and the whole execute_reply, as the inspector's shell socket takes it.
+MAX_REPLY_CHARS = 12 << 20
 MAX_REPLY_BYTES = 32 << 20
+_QUOTED_BASE64 = re.compile(r"'([A-Za-z0-9+/]*={0,2})'")
 
 # Runs inside the kernel, via exec() in a fresh dict holding ``user_ns`` and
 # ``args``; it leaves its answer, a JSON string, in ``result``.
 _KERNEL_SOURCE = r'''
-import inspect, itertools, json, re, sys, types
+import base64, inspect, itertools, json, re, sys, types
 
 IPYTHON_NAMES = {"In", "Out", "exit", "quit", "get_ipython"}
 MACHINERY = IPYTHON_NAMES | {
@@ -282,7 +288,7 @@ if args["action"] == "list":
     answer = list_names(user_ns, args["limit"], args["include_private"])
 else:
     answer = preview(user_ns, args["name"], args["max_chars"])
-result = json.dumps(answer)
+result = base64.b64encode(json.dumps(answer).encode("ascii")).decode("ascii")
 '''
 
 
@@ -372,17 +378,18 @@ def _answer(reply: Any) -> dict:
         )
     data = evaluated.get("data")
     text = data.get("text/plain") if isinstance(data, dict) else None
-    # The value is a str; IPython sends its repr as text/plain.
-    if not isinstance(text, str) or not text[:1] in ("'", '"'):
-        raise _refused("the kernel's inspection answer is not a string")
+    # The value is a str of base64; IPython sends its repr as text/plain: 'QUJD...'.
+    if not isinstance(text, str):
+        raise _refused("the kernel's inspection answer is not text")
     if len(text) > MAX_REPLY_CHARS:
         raise _refused(f"the kernel's inspection answer is {len(text)} characters; the limit is {MAX_REPLY_CHARS}")
+    quoted = _QUOTED_BASE64.fullmatch(text)
     try:
-        value = ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        value = base64.b64decode(quoted.group(1), validate=True) if quoted else None
+    except (binascii.Error, ValueError):
         value = None
-    if not isinstance(value, str):
-        raise _refused("the kernel's inspection answer is not a string literal")
+    if value is None:
+        raise _refused("the kernel's inspection answer is not the quoted base64 the inspection sends")
     try:
         answer = json_input.loads_object(value, max_bytes=MAX_REPLY_CHARS, what="the kernel's inspection answer")
     except json_input.JSONRefused as e:

@@ -356,3 +356,336 @@ def test_the_env_guard_sees_each_way_around_request_env():
         ENV_CHECKER: bad["a.py"],
         "tools/x.py": "from .. import request_env\ndef f(body):\n    return request_env.check(body.get('env'), 'command')\n",
     })
+
+
+# --- one HTTP base: every handler, one body parser, no disk work on the loop ----------------
+#
+# Every handler class the server routes to derives from server/base.py: BaseHandler (its JSON
+# parser, its error renderer with the host-path scrub, its agent scoping); the kernel websocket is a
+# WebSocketHandler over that same base.  Request data and kernel replies are parsed by the one
+# bounded parser (kernel_gateway/json_input.py, which BaseHandler.json_value uses), never by
+# json.loads, ast.literal_eval or jupyter_server's unbounded deserialize_binary_message.  And a
+# handler method does no disk work on the loop: the library, Jupyter contents, notebooks and job
+# patches are reached through BaseHandler.off_loop only.
+
+HTTP_BASE = "BaseHandler"
+
+
+def served_handlers() -> dict[str, type]:
+    """Every handler class reachable from the apps the server builds (routes and defaults)."""
+    from kernel_gateway.server import app as server_app
+    from kernel_gateway.server.jupyter_channels import ChannelsHandler
+
+    apps = {"control or agent socket": server_app.make_app(None), "agent socket": server_app.make_app(None, "a"),
+            "Jupyter TCP port": server_app.make_jupyter_app(None)}
+    found = {"the kernel websocket": ChannelsHandler}
+    for name, application in apps.items():
+        found.update(app_handlers(application, name))
+    return found
+
+
+def app_handlers(application, name: str) -> dict[str, type]:
+    found = {}
+    todo = [application.wildcard_router, application.default_router]
+    while todo:
+        router = todo.pop()
+        for rule in getattr(router, "rules", []):
+            target = rule.target
+            if hasattr(target, "rules"):
+                todo.append(target)
+            elif isinstance(target, type):
+                found[f"{name}: {rule.matcher.regex.pattern if hasattr(rule.matcher, 'regex') else rule.matcher}"] = target
+    default = application.settings.get("default_handler_class")
+    if default is not None:
+        found[f"{name}: (no route)"] = default
+    return found
+
+
+def handlers_off_base(handlers: dict[str, type]) -> list[str]:
+    from kernel_gateway.server.base import BaseHandler
+
+    return sorted(f"{where}: {cls.__module__}.{cls.__qualname__}" for where, cls in handlers.items()
+                  if not (isinstance(cls, type) and issubclass(cls, BaseHandler)))
+
+
+def test_every_served_handler_derives_from_the_one_base():
+    handlers = served_handlers()
+    assert len(handlers) > 40  # the walk sees the routes (a walk that found none would pass anything)
+    off = handlers_off_base(handlers)
+    assert not off, ("every handler derives from server/base.py: BaseHandler (one body parser, one error "
+                     "renderer, one agent scoping; a websocket is a WebSocketHandler over it):\n" + "\n".join(off))
+
+
+def test_the_handler_guard_sees_a_handler_off_the_base():
+    from tornado import web, websocket
+
+    class Plain(web.RequestHandler):
+        pass
+
+    class Socket(websocket.WebSocketHandler):
+        pass
+
+    application = web.Application([(r"/plain", Plain), (r"/ws", Socket)], default_handler_class=Plain)
+    off = handlers_off_base(app_handlers(application, "bad"))
+    assert len(off) == 3 and all("Plain" in o or "Socket" in o for o in off), off
+
+
+def handler_classes(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> names of its classes that derive (by name, across the modules) from a tornado handler."""
+    classes: dict[str, list[tuple[str, set[str]]]] = {}
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text, module)):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+                classes.setdefault(module, []).append((node.name, bases))
+    handlers = {"RequestHandler", "WebSocketHandler", HTTP_BASE}
+    grew = True
+    while grew:
+        grew = False
+        for found in classes.values():
+            for name, bases in found:
+                if name not in handlers and bases & handlers:
+                    handlers.add(name)
+                    grew = True
+    return {module: {n for n, _ in found if n in handlers} for module, found in classes.items()}
+
+
+def derived_from(sources: dict[str, str], roots: set[str]) -> set[str]:
+    """Names of the classes that derive (by name, across the modules) from one of ``roots``."""
+    bases_of = {}
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text, module)):
+            if isinstance(node, ast.ClassDef):
+                bases_of.setdefault(node.name, set()).update(
+                    b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases)
+    found, grew = set(roots), True
+    while grew:
+        grew = False
+        for name, bases in bases_of.items():
+            if name not in found and bases & found:
+                found.add(name)
+                grew = True
+    return found
+
+
+def handlers_not_on_base(sources: dict[str, str]) -> list[str]:
+    """Handler classes defined anywhere in the package that do not derive from BaseHandler."""
+    on_base = derived_from(sources, {HTTP_BASE})
+    return sorted(f"kernel_gateway/{module}: {name}" for module, names in handler_classes(sources).items()
+                  for name in names if name != HTTP_BASE and name not in on_base)
+
+
+def test_no_handler_class_anywhere_bypasses_the_base():
+    """The static side of the walk above: a handler class defined anywhere derives from BaseHandler."""
+    assert not handlers_not_on_base(package_sources()), handlers_not_on_base(package_sources())
+
+
+def test_the_static_handler_guard_sees_a_class_off_the_base():
+    bad = ("from tornado import web, websocket\n"
+           "class Raw(web.RequestHandler):\n    pass\n"
+           "class Ws(websocket.WebSocketHandler):\n    pass\n"
+           "class Ok(websocket.WebSocketHandler, BaseHandler):\n    pass\n"
+           "class AlsoOk(Ok):\n    pass\n")
+    sources = {"server/base.py": "class BaseHandler(web.RequestHandler):\n    pass\n", "server/new.py": bad}
+    assert handlers_not_on_base(sources) == ["kernel_gateway/server/new.py: Raw", "kernel_gateway/server/new.py: Ws"]
+
+
+# Modules that handle request data or kernel messages: no parser but the bounded one.
+PARSING_MODULES = ("server/", "jupyter_api/", "variables.py", "execution.py", "notebook_runs.py")
+UNBOUNDED_PARSERS = {"loads", "load", "literal_eval", "deserialize_binary_message", "unpack", "deserialize"}
+PARSERS_ALLOWED = {
+    # The gateway's own files, never request data: written by the gateway, in its state directory.
+    ("jupyter_api/tokens.py", "TokenStore.__init__"): "the token store in the state directory",
+    ("jupyter_api/tokens.py", "TokenStore._load"): "the token store in the state directory",
+    ("jupyter_api/kernelspecs.py", "KernelSpecs.__init__"): "the package's own kernel.json",
+    ("jupyter_api/kernelspecs.py", "KernelSpecs._spec"): "the package's own kernel.json",
+}
+
+
+def parser_offences(sources: dict[str, str]) -> list[str]:
+    found = []
+    for module, text in sources.items():
+        if not module.startswith(PARSING_MODULES):
+            continue
+        for node, where in scopes(ast.parse(text, module)):
+            if not isinstance(node, ast.Call) or call_name(node) not in UNBOUNDED_PARSERS:
+                continue
+            owner = node.func.value if isinstance(node.func, ast.Attribute) else None
+            owner_name = ast.unparse(owner) if owner is not None else ""
+            if call_name(node) in ("loads", "load") and (owner_name == "json_input" or not node.args):
+                continue  # the bounded one (any other module's loads, json under any alias, pickle, ... is not);
+                # a load() of nothing reads no data it was handed (core.load(): the gateway's own state)
+            if call_name(node) in ("unpack", "deserialize") and not owner_name.endswith("session"):
+                continue  # struct.unpack and the like; a jupyter_client Session's are json.loads unbounded
+            scope = ".".join(where.split(".")[:2])
+            if (module, scope) not in PARSERS_ALLOWED:
+                found.append(f"kernel_gateway/{module}:{node.lineno} {scope or '<module>'}: "
+                             f"{owner_name + '.' if owner_name else ''}{call_name(node)}()")
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0])))
+
+
+def test_request_data_and_kernel_replies_are_parsed_by_the_bounded_parser_only():
+    offences = parser_offences(package_sources())
+    assert not offences, (
+        "request bodies, websocket frames and kernel replies are parsed by kernel_gateway/json_input.py "
+        "(BaseHandler.json_value on a route): size checked first, depth, NaN and surrogates refused, never a "
+        "throw; a file of the gateway's own goes in PARSERS_ALLOWED, saying why:\n" + "\n".join(offences))
+
+
+def test_the_parser_guard_catches_each_unbounded_parser():
+    bad = '''
+import ast, json
+from jupyter_server.services.kernels.connection.base import deserialize_binary_message
+class H(BaseHandler):
+    def post(self):
+        body = json.loads(self.request.body)
+        json.load(self.request.body_file)
+        ast.literal_eval(self.get_argument("x"))
+        deserialize_binary_message(self.request.body)
+        self.session.unpack(b"{}")
+        json_input.loads(b"{}", max_bytes=10)  # the bounded one: fine
+        _json.loads(self.request.body)  # json imported under another name
+        struct.unpack("!i", b"abcd")  # not JSON: fine
+'''
+    offences = parser_offences({"server/new_routes.py": bad})
+    assert [o.split(": ", 1)[1] for o in offences] == [
+        "json.loads()", "json.load()", "ast.literal_eval()", "deserialize_binary_message()", "self.session.unpack()",
+        "_json.loads()",
+    ], offences
+    assert not parser_offences({"jupyter_api/tokens.py": "import json\nclass TokenStore:\n    def _load(self, f):\n"
+                                                         "        return json.load(f)\n"})
+    assert parser_offences({"jupyter_api/tokens.py": "import json\ndef other(f):\n    return json.load(f)\n"})
+
+
+# Disk work a handler method must not do on the loop: calls on these objects, and these functions.
+DISK_OBJECTS = {"library", "contents", "store", "notebooks"}  # self.core.library.x(), contents.get(), ...
+DISK_FUNCTIONS = {"files_from_tar_gz", "patch_bytes", "read_patch"}
+HANDLER_METHODS = {"get", "post", "put", "patch", "delete", "head", "options"}
+DISK_WORK_ALLOWED = {
+    # Validation without any disk access, on module functions of kernel_gateway.library.
+    "library.check_skill_name", "library.check_document_name", "library.files_from_json",
+}
+
+
+def disk_work(call: ast.Call) -> str | None:
+    """'self.core.library.list_skills' for a call that does disk work on an agent's tree, else None."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id if func.id in DISK_FUNCTIONS else None
+    if not isinstance(func, ast.Attribute):
+        return None
+    text = ast.unparse(func)
+    if text in DISK_WORK_ALLOWED:
+        return None
+    if func.attr in DISK_FUNCTIONS:
+        return text
+    owner = func.value
+    names = set()
+    while True:  # the names along self.core.library / self.contents() / contents
+        if isinstance(owner, ast.Call):
+            owner = owner.func
+        if isinstance(owner, ast.Attribute):
+            names.add(owner.attr)
+            owner = owner.value
+        elif isinstance(owner, ast.Name):
+            names.add(owner.id)
+            break
+        else:
+            break
+    return text if names & DISK_OBJECTS else None
+
+
+OFF_LOOP_CALLS = {"off_loop", "work", "changing"}  # BaseHandler.off_loop and the handlers' wrappers of it
+
+
+def calls_on_the_loop(method: ast.AST):
+    """The calls a handler method makes on the loop: all of them but those inside a nested function
+    that the method hands to off_loop by name (``def save(): ...; await self.off_loop(save)``)."""
+    handed = {arg.id for node in ast.walk(method) if isinstance(node, ast.Call) and call_name(node) in OFF_LOOP_CALLS
+              for arg in node.args[:1] if isinstance(arg, ast.Name)}
+    todo = list(ast.iter_child_nodes(method))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in handed:
+            continue
+        if isinstance(node, ast.Call):
+            yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def disk_work_on_the_loop(sources: dict[str, str]) -> list[str]:
+    """Handler methods that call disk work themselves instead of handing it to off_loop."""
+    found = []
+    handlers = handler_classes(sources)
+    for module, text in sources.items():
+        if not handlers.get(module):
+            continue
+        for cls in ast.walk(ast.parse(text, module)):
+            if not (isinstance(cls, ast.ClassDef) and cls.name in handlers[module]):
+                continue
+            for method in cls.body:
+                if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if method.name not in HANDLER_METHODS and not method.name.startswith("_"):
+                    pass  # helpers are checked too: a handler calls them on the loop
+                for node in calls_on_the_loop(method):
+                    if True:
+                        what = disk_work(node)
+                        if what:
+                            kind = "def" if isinstance(method, ast.FunctionDef) else "async def"
+                            found.append(f"kernel_gateway/{module}:{node.lineno} {cls.name}.{method.name} "
+                                         f"({kind}): {what}()")
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0])))
+
+
+def test_no_handler_does_disk_work_on_the_loop():
+    offences = disk_work_on_the_loop(package_sources())
+    assert not offences, (
+        "a handler hands disk work in an agent's tree (library, contents, notebooks, job patches) to "
+        "self.off_loop(fn, ...) (a worker within the agent's share), never calls it on the loop:\n"
+        + "\n".join(offences))
+
+
+def test_the_disk_work_guard_sees_each_way():
+    bad = '''
+class Skills(BaseHandler):
+    def get(self, agent):
+        self.send_json(self.core.library.list_skills(agent))
+class Docs(Skills):
+    async def get(self, agent):
+        self.send_json(self.core.library.get_document(agent, "SOUL.md"))
+    async def put(self, agent):
+        contents = self.contents()
+        contents.save("x", {})
+    def delete(self, agent):
+        self.core.jupyter.contents(agent).delete("x")
+    async def post(self, agent, job):
+        data = self.core.jobs.patch_bytes(agent, job)
+        files = library.files_from_tar_gz("n", b"")
+class Nested(BaseHandler):
+    async def put(self, agent):
+        def save():
+            return self.contents().save("x", {})
+        def sneaky():
+            return self.contents().delete("y")
+        await self.off_loop(save)
+        sneaky()
+class Fine(BaseHandler):
+    async def get(self, agent):
+        self.send_json(await self.off_loop(self.core.library.list_skills, agent))
+        await self.off_loop(self.contents().get, "x")
+        library.check_skill_name("x")
+class NotAHandler:
+    def get(self):
+        self.core.library.list_skills("a")
+'''
+    offences = disk_work_on_the_loop({"server/new_routes.py": bad})
+    assert [o.split(" ", 1)[1] for o in offences] == [
+        "Skills.get (def): self.core.library.list_skills()",
+        "Docs.get (async def): self.core.library.get_document()",
+        "Docs.put (async def): contents.save()",
+        "Docs.delete (def): self.core.jupyter.contents(agent).delete()",
+        "Docs.post (async def): self.core.jobs.patch_bytes()",
+        "Docs.post (async def): library.files_from_tar_gz()",
+        "Nested.put (async def): self.contents().delete()",  # sneaky() runs on the loop; save() is handed off
+    ], offences

@@ -71,7 +71,7 @@ def make_jupyter_app(core: Core) -> web.Application:
     return web.Application(
         [(pattern, handler, {**args, "route": route_label(pattern)}) for pattern, handler in jupyter_routes.routes()],
         default_handler_class=jupyter_routes.JupyterNotFoundHandler,
-        default_handler_args={"core": core, "scope": None},
+        default_handler_args=args,
         websocket_max_message_size=64 << 20,
         log_function=log_request_without_token,
     )

@@ -46,9 +46,10 @@ class JobHandler(_OneJob):
 
 
 class JobPatchHandler(_OneJob):
-    def get(self, agent: str, job_id: str) -> None:
+    async def get(self, agent: str, job_id: str) -> None:
         agent, job_id = self._job_args(agent, job_id)
-        data, patch = self.core.jobs.patch_bytes(agent, job_id)
+        # Reading the patch (up to --Gateway.job_patch_limit) and hashing it is not for the loop.
+        data, patch = await self.off_loop(self.core.jobs.patch_bytes, agent, job_id)
         self.set_header("Content-Type", "text/x-diff; charset=utf-8")
         self.set_header("X-Patch-SHA256", patch["sha256"])
         self._bytes_out += len(data)

@@ -29,7 +29,7 @@ class AgentsHandler(BaseHandler):
 class AgentHandler(BaseHandler):
     tool = "agent"
 
-    def put(self, agent: str) -> None:
+    async def put(self, agent: str) -> None:
         agent = self.agent_arg(agent)
         body = self.json_body({"documents": dict})
         if "documents" in body:
@@ -38,7 +38,7 @@ class AgentHandler(BaseHandler):
         documents = library_routes.checked_documents(body.get("documents"))
         created = self.core.agents.ensure_agent(agent)
         for name, text in documents.items():
-            self.core.library.put_document(agent, name, text)
+            await self.off_loop(self.core.library.put_document, agent, name, text)
         self.send_json(self.agent_json(agent), 201 if created else 200)
 
     def get(self, agent: str) -> None:
