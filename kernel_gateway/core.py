@@ -155,7 +155,9 @@ class Core:
         self.agents.require_agent(agent)
         store = self._notebook_stores.get(agent)
         if store is None:
-            store = self._notebook_stores[agent] = NotebookStore(self.agents.agent_root(agent))
+            library = self.library
+            store = self._notebook_stores[agent] = NotebookStore(
+                self.agents.agent_root(agent), lambda physical: library.protected(agent, physical))
         return store
 
     async def notebook_session(self, agent: str, path: str, session: str | None = None) -> str:

@@ -145,8 +145,11 @@ def _check_index(name: str, value: Any, highest: int, meaning: str) -> int:
 class NotebookStore:
     """The notebooks of one agent: read, edit, and save outputs into them."""
 
-    def __init__(self, agent_root: str | os.PathLike):
+    def __init__(self, agent_root: str | os.PathLike, protected=None):
         self.agent_root = Path(agent_root)
+        # protected(physical path) -> why the agent may not write there (the Agent Library), or None;
+        # judged on the directory fd a write goes through, not on the path asked for.
+        self.protected = protected
 
     # -- reading -----------------------------------------------------------
 
@@ -343,10 +346,14 @@ class NotebookStore:
         try:
             target = resolve_in_root(self.agent_root, path)
             if create_parents:
+                if self.protected is not None and self.protected(str(target)):
+                    # Early, so no folder is made there either; the write itself checks again on its fd.
+                    raise GatewayError(403, "read_only_path", f"{self.protected(str(target))}: the agent "
+                                       "cannot change it", "the operator sets it through the Agent Library")
                 mkdirs_in_root(self.agent_root, target.parent)
             flags = os.O_PATH | os.O_DIRECTORY
             directory = open_in_root(self.agent_root, target.parent, flags)
-            return _NotebookFile(target, directory, agent_owner(self.agent_root))
+            return _NotebookFile(target, directory, agent_owner(self.agent_root), self.protected)
         except PathOutsideRoot:
             raise GatewayError(
                 403,
@@ -530,10 +537,11 @@ class _NotebookFile:
     a read or a write outside the agent's tree.
     """
 
-    def __init__(self, target: Path, dir_fd: int, owner: tuple[int, int] | None = None):
+    def __init__(self, target: Path, dir_fd: int, owner: tuple[int, int] | None = None, protected=None):
         self.name = target.name
         self.dir_fd = dir_fd
         self.owner = owner
+        self.protected = protected
         self.lock = _lock_for(target)
 
     def __enter__(self) -> "_NotebookFile":
@@ -564,6 +572,10 @@ class _NotebookFile:
 
         Returns False, writing nothing, if the file's content is no longer ``old``.
         """
+        why = fs.protected_at(self.dir_fd, self.name, self.protected) if self.protected else None
+        if why:
+            raise GatewayError(403, "read_only_path", f"{why}: the agent cannot change it",
+                               "the operator sets it through the Agent Library on the control socket")
         mode = None
         if old is not None:  # keep the mode the file had
             mode = stat.S_IMODE(fs.lstat_at(self.dir_fd, self.name).st_mode)

@@ -416,3 +416,21 @@ def test_the_workers_share_is_per_agent_and_refuses_past_it():
         workers.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_notebook_writes_through_a_link_into_the_library_are_refused(gw, alice):
+    """A folder link into ``installed-skills/`` (the agent's own, inside its tree): the notebook store
+    and contents both refuse to write a notebook there, judged on the folder actually reached."""
+    status, _ = gw.client.call("GET", "/v1/agents/alice/skills/demo")
+    demo = os.path.join(tree(gw), "installed-skills", "demo") if status == 200 else _install_demo_skill(gw, {})
+    before = fingerprint(demo)
+    sh(gw, "ln -sfn ../installed-skills/demo user-files/lk")
+    nb = {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    status, body = gw.client.call("PUT", "/v1/agents/alice/notebooks/user-files/lk/x.ipynb", nb)
+    assert status == 403 and body["error"]["code"] == "read_only_path", body
+    status, body = gw.client.call("PUT", "/v1/agents/alice/notebooks/user-files/lk/new/x.ipynb", nb)
+    assert status == 403 and body["error"]["code"] == "read_only_path", body
+    status, body = alice.call("PUT", "api/contents/user-files/lk/x.ipynb", {"type": "notebook", "content": nb})
+    assert status == 403 and body["error"]["code"] == "read_only", body
+    assert fingerprint(demo) == before
+    sh(gw, "rm user-files/lk")

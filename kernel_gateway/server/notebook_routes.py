@@ -7,23 +7,14 @@ from typing import Any
 from .. import notebook_runs, variables
 from ..errors import bad_request
 from ..notebooks import NotebookStore
-from .. import fs
 from .base import BaseHandler, StreamingHandler
 
 
 class NotebookBase(BaseHandler):
     tool = "notebook"
 
-    def prepare(self) -> None:
-        super().prepare()
-        if self.request.method != "GET" and len(self.path_args) >= 2:
-            # Notebook writes never land in the agent's library (installed-skills/).
-            agent = self.agent_arg(self.path_args[0])
-            try:
-                target = fs.resolve_in_root(self.core.agents.agent_root(agent), self.path_args[1])
-            except (fs.PathOutsideRoot, OSError):
-                return  # the store refuses it with its own message
-            self.core.refuse_protected(agent, [str(target)])
+    # Notebook writes never land in the agent's library (installed-skills/, its documents): the
+    # store refuses them on the directory fd it writes through (NotebookStore.protected).
 
     def store(self, agent: str) -> NotebookStore:
         return self.core.notebooks(self.agent_arg(agent))
