@@ -32,13 +32,19 @@ def answering(text_plain: str) -> str:
             " 'metadata': {}} for k in exprs}\n")
 
 
+def b64(data: str) -> str:
+    """Kernel code: the repr of the base64 of ``data`` (an expression of bytes), as the inspection sends."""
+    return f"repr(__import__('base64').b64encode({data}).decode())"
+
+
 HOSTILE = {
-    "a JSON string nested 10^6 deep": (answering("repr('[' * 10**6)"), "bad_kernel_reply"),
+    "JSON nested 10^6 deep": (answering(b64("b'[' * 10**6")), "bad_kernel_reply"),
     "a Python literal nested 10^6 deep": (answering("'[' * 10**6"), "bad_kernel_reply"),
-    "a 12 MB string literal": (answering("repr('x' * (12 << 20))"), "bad_kernel_reply"),
+    "a 13 MB string literal": (answering("repr('x' * (13 << 20))"), "bad_kernel_reply"),
     "a 40 MB reply": (answering("repr('y' * (40 << 20))"), "bad_kernel_reply"),
-    "JSON that is not an object": (answering("repr('[1, 2, 3]')"), "bad_kernel_reply"),
-    "NaN in the answer": (answering("repr('{\"variables\": NaN}')"), "bad_kernel_reply"),
+    "JSON that is not an object": (answering(b64("b'[1, 2, 3]'")), "bad_kernel_reply"),
+    "NaN in the answer": (answering(b64("b'{\"variables\": NaN}'")), "bad_kernel_reply"),
+    "not base64": (answering("repr('not base64!')"), "bad_kernel_reply"),
     "an expression that is not a dict": (
         "get_ipython().user_expressions = lambda exprs: {k: 5 for k in exprs}\n", "unsupported_kernel"),
     "a refused expression": (

@@ -31,7 +31,8 @@ TEMPLATES = [
     "api/contents/{path}", "api/contents/{path}/checkpoints", "api/contents/{path}/checkpoints/{cid}",
 ]
 HOSTILE = ["..", "../..", "%2e%2e", "/etc/passwd", "a%00b", "x" * 300, "../../other/user-files", "~root",
-           "user-files/../../..", "python3", "logo-64x64.png", "notebook.ipynb", "user-files", ""]
+           "user-files/../../..", "python3", "logo-64x64.png", "notebook.ipynb", "user-files", "",
+           "a%0Ab", "%0D%0ALocation:%20x", "tab%09name", "user-files%2Fx%0A"]
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
 part = st.one_of(st.sampled_from(HOSTILE), text.map(lambda t: urllib.parse.quote(t, safe="")))
 json_value = st.recursive(
@@ -44,8 +45,14 @@ model_like = st.fixed_dictionaries({}, optional={
     "kernel": st.dictionaries(st.sampled_from(["id", "name"]), text | st.none(), max_size=2),
     "copy_from": part, "id": text,
 })
+# Bodies a parser must refuse before trusting: deep, non-finite, lone surrogates, huge numbers and strings.
+hostile_body = st.sampled_from([
+    "[" * 5000, '{"a":' * 3000 + "1" + "}" * 3000, '{"path": ' + "[" * 65 + "]" * 65 + "}",
+    '{"name": NaN}', '{"copy_from": Infinity}', '{"path": "\\ud800"}', '{"type": "\\udfff"}', "1" * 5000,
+    '{"content": "' + "x" * 200_000 + '", "type": "file", "format": "text"}', '{"path": "user-files/a\\nb"}',
+])
 body = st.one_of(st.none(), model_like.map(json.dumps), json_value.map(json.dumps),
-                 st.binary(max_size=64).map(lambda b: b.decode("latin-1")))
+                 st.binary(max_size=64).map(lambda b: b.decode("latin-1")), hostile_body)
 
 
 @st.composite
@@ -97,3 +104,40 @@ def test_no_jupyter_request_gets_a_5xx_or_reaches_outside(jupyter_gateway, reque
     # Kernels the fuzz starts are stopped, so the session cap does not hide the routes.
     if path.startswith("api/kernels") and method == "POST" and status == 201:
         gw.client.call("DELETE", f"/agents/{AGENT}/api/kernels/{answer['id']}")
+
+
+# --- the Library, jobs and tokens: the same base, the same parser --------------------------
+
+V1_TEMPLATES = [
+    ("PUT", "skills/{name}"), ("PATCH", "skills/{name}"), ("DELETE", "skills/{name}"), ("GET", "skills/{name}"),
+    ("PUT", "documents/{name}"), ("GET", "documents/{name}"), ("POST", "jobs"), ("GET", "jobs/{name}"),
+    ("POST", "jobs/{name}/apply"), ("POST", "jobs/{name}/cancel"), ("GET", "jobs/{name}/patch"),
+    ("DELETE", "jobs/{name}"), ("POST", "tokens"), ("DELETE", "tokens/{name}"), ("PUT", ""),
+]
+v1_names = st.sampled_from(["SOUL.md", "MISSION.md", "jupyter-live-kernel", "mine", "0123456789ab", "x" * 300,
+                            "a%0Ab", "..", "%2e%2e", "a%00b"]) | text.map(lambda t: urllib.parse.quote(t, safe=""))
+
+
+@st.composite
+def v1_requests(draw):
+    method, template = draw(st.sampled_from(V1_TEMPLATES))
+    path = template.replace("{name}", draw(v1_names) or "x")
+    content_type = draw(st.sampled_from(["application/json", "text/plain", "application/gzip", ""]))
+    return method, path, content_type, draw(body), draw(st.booleans())
+
+
+@settings(max_examples=EXAMPLES // 2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(request=v1_requests())
+def test_no_library_job_or_token_request_gets_a_5xx(jupyter_gateway, request):
+    gw = jupyter_gateway
+    method, path, content_type, data, on_agent_socket = request
+    others = tree(os.path.join(gw.root, "other"))
+    client = gw.agent_client(AGENT) if on_agent_socket else gw.client
+    url = f"/v1/agents/{'me' if on_agent_socket else AGENT}" + (f"/{path}" if path else "")
+    raw = None if data is None or method in ("GET", "DELETE") else data.encode("utf-8", "surrogateescape")
+    status, answer = client.call(method, url, raw=raw, headers={"Content-Type": content_type} if content_type else {})
+    assert status < 500, (method, url, data and data[:200], status, answer)
+    if status >= 400:
+        assert isinstance(answer, dict) and set(answer["error"]) == {"code", "message", "hint"}, (url, answer)
+    assert tree(os.path.join(gw.root, "other")) == others
+    assert gw.client.call("GET", "/v1/info")[0] == 200
