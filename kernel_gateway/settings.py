@@ -146,6 +146,12 @@ class Gateway(Configurable):
         32, config=True, help="Kernel websockets (open, or buffering for a reconnect) of one agent; more get 429."
     )
     max_websockets_total = Int(256, config=True, help="Kernel websockets of all agents together.")
+    max_websocket_bytes_per_agent = Int(
+        64 << 20, config=True,
+        help="Bytes of kernel messages the gateway keeps for one agent's websockets (buffered for a reconnect, or "
+        "not yet read by the client); past it a buffer is dropped and a websocket that does not read is closed.",
+    )
+    max_websocket_bytes_total = Int(512 << 20, config=True, help="The same, every agent together.")
     max_jupyter_sessions_per_agent = Int(
         64, config=True, help="Jupyter sessions (/api/sessions) one agent may hold; more get 429."
     )

@@ -18,12 +18,13 @@ import socket
 import pytest
 
 from jupyter_support import JupyterClient, KernelSocket
-from support import GatewayProcess, execute_ok, wait_until, with_agents
+from support import RAW_IOPUB, GatewayProcess, execute_ok, wait_until, with_agents
 
 WS_SHARE, WS_TOTAL = 4, 6
 SESSION_SHARE, SESSION_TOTAL = 5, 8
 QUEUED_SHARE, QUEUED_TOTAL, RECORDS = 2, 3, 6
 LOG_CAP = 128 << 10
+WS_BYTES = 8 << 20
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def gw(tmp_path_factory):
         f"--Gateway.max_jupyter_sessions_total={SESSION_TOTAL}",
         f"--Gateway.max_queued_jobs_per_agent={QUEUED_SHARE}", f"--Gateway.max_queued_jobs_total={QUEUED_TOTAL}",
         f"--Gateway.max_jobs_per_agent={RECORDS}", f"--Gateway.kernel_log_max_bytes={LOG_CAP}",
+        f"--Gateway.max_websocket_bytes_per_agent={WS_BYTES}",
     ), "alice", "bob", "carol")
     info = gateway.client.call("GET", "/v1/info")[1]
     gateway.url = info["jupyter"]["url"]
@@ -151,6 +153,47 @@ def test_one_agents_websockets_stop_at_its_share_and_the_total_and_others_still_
             sock.close()
         for agent, kid in (("alice", alice_kid), ("bob", bob_kid), ("carol", carol_kid)):
             gw.jc[agent].call("DELETE", f"api/kernels/{kid}")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+FLOOD_IOPUB = RAW_IOPUB + "for _ in range(150): raw('stream', {'name': 'stdout', 'text': 'x' * (1 << 20)})\n"
+
+
+def test_kernel_messages_held_for_an_agents_websockets_stop_at_its_share(gw):
+    """150 MB from alice's kernel to a websocket whose client never reads, then to buffers of websockets that left."""
+    model = gw.jc["alice"].call("POST", "api/kernels", {})[1]
+    kid, session = model["id"], model["gateway_session"]
+    bob_kid = kernel_of(gw, "bob")
+    try:
+        assert execute_ok(gw, "1", "alice", session)["status"] == "ok"
+        before = rss_mb(gw.proc.pid)
+        stalled, status, _ = ws_open(gw, "alice", kid, "never-reads")
+        assert status == "HTTP/1.1 101 Switching Protocols"
+        assert execute_ok(gw, FLOOD_IOPUB, "alice", session, timeout=300)["status"] == "ok"
+        # The gateway closed the websocket that did not read, and holds none of it.
+        assert rss_mb(gw.proc.pid) - before < 60, (before, rss_mb(gw.proc.pid))
+        stalled.settimeout(60)
+        received = 0
+        while chunk := stalled.recv(1 << 20):
+            received += len(chunk)
+        assert received < 150 << 20
+        bob_runs_code_over_a_websocket(gw, bob_kid)
+        # Websockets that left: their buffers for a reconnect share the same bytes.
+        for i in range(3):
+            sock, status, _ = ws_open(gw, "alice", kid, f"left{i}")
+            assert status == "HTTP/1.1 101 Switching Protocols"
+            sock.close()
+        assert wait_until(lambda: gw.jc["alice"].call("GET", f"api/kernels/{kid}")[1]["connections"] == 0)
+        assert execute_ok(gw, FLOOD_IOPUB, "alice", session, timeout=300)["status"] == "ok"
+        assert rss_mb(gw.proc.pid) - before < 60, (before, rss_mb(gw.proc.pid))
+        bob_runs_code_over_a_websocket(gw, bob_kid)
+    finally:
+        gw.jc["alice"].call("DELETE", f"api/kernels/{kid}")
+        gw.jc["bob"].call("DELETE", f"api/kernels/{bob_kid}")
 
 
 # --- Jupyter sessions -----------------------------------------------------------------

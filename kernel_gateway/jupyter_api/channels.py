@@ -44,6 +44,8 @@ BUFFER_MAX_BYTES = 32 << 20
 WATCH_SECONDS = 0.5
 MAX_BRIDGES = 256  # open or buffering, in all: each holds four ZMQ sockets (--Gateway.max_websockets_total)
 MAX_BRIDGES_PER_AGENT = 32  # --Gateway.max_websockets_per_agent
+HELD_BYTES_PER_AGENT = 64 << 20  # buffered or not yet written to a websocket (--Gateway.max_websocket_bytes_per_agent)
+HELD_BYTES = 512 << 20  # the same, every agent together (--Gateway.max_websocket_bytes_total)
 HEADER_MAX = 1 << 20  # a kernel message's header or status content, as read here (bounded, then parsed)
 
 # deliver(channel, parts): parts are [header, parent_header, metadata, content, *buffers] (bytes).
@@ -218,14 +220,19 @@ class Bridge:
         if self._buffer_overflow:
             return
         size = sum(len(p) for p in parts)
-        if len(self.buffer) >= BUFFER_MAX_MESSAGES or self._buffer_bytes + size > BUFFER_MAX_BYTES:
+        if (len(self.buffer) >= BUFFER_MAX_MESSAGES or self._buffer_bytes + size > BUFFER_MAX_BYTES
+                or not self.registry.hold(self.agent, size)):
             # Past the bound a replay could not be complete: drop it all rather than replay a part.
             self._buffer_overflow = True
-            self.buffer.clear()
-            self._buffer_bytes = 0
+            self._drop_buffer()
             return
         self.buffer.append((channel, parts))
         self._buffer_bytes += size
+
+    def _drop_buffer(self) -> None:
+        self.registry.release(self.agent, self._buffer_bytes)
+        self.buffer = []
+        self._buffer_bytes = 0
 
     async def _watch(self) -> None:
         """Follow the gateway session: a new kernel after a restart, or none after a shutdown."""
@@ -275,8 +282,8 @@ class Bridge:
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
-        replay, self.buffer = self.buffer, []
-        self._buffer_bytes = 0
+        replay = self.buffer
+        self._drop_buffer()  # handed to the websocket, whose writes are held in its turn
         self._buffer_overflow = False
         if self._deliver is None:
             self._count(self.kernel, +1)
@@ -322,6 +329,7 @@ class Bridge:
         if self._expiry is not None:
             self._expiry.cancel()
         self._close_sockets()
+        self._drop_buffer()
         if self._deliver is not None:
             self._count(self.kernel, -1)
         on_gone, self._on_gone, self._deliver = self._on_gone, None, None
@@ -335,12 +343,19 @@ class Bridges:
 
     Each agent holds at most ``per_agent`` bridges (open or buffering) and all agents ``total``:
     past its share, an agent's own oldest buffer makes room, and with none to drop the websocket is
-    refused with 429, so one agent's websockets never use up what another agent needs.
+    refused with 429, so one agent's websockets never use up what another agent needs.  The kernel
+    messages they keep in the gateway's memory (buffered for a reconnect, or written to a websocket
+    whose client does not read them yet) have a share too, in bytes (:meth:`hold`): past it a
+    buffer is dropped, and a websocket that does not read is closed.
     """
 
-    def __init__(self, sessions: Any, per_agent: int = MAX_BRIDGES_PER_AGENT, total: int = MAX_BRIDGES):
+    def __init__(self, sessions: Any, per_agent: int = MAX_BRIDGES_PER_AGENT, total: int = MAX_BRIDGES,
+                 bytes_per_agent: int = HELD_BYTES_PER_AGENT, bytes_total: int = HELD_BYTES):
         self.sessions = sessions
         self.per_agent, self.total = per_agent, total
+        self.bytes_per_agent, self.bytes_total = bytes_per_agent, bytes_total
+        self._held: dict[str, int] = {}
+        self._held_total = 0
         self._bridges: dict[tuple[str, str], Bridge] = {}
         self._attached: dict[tuple[str, str], Any] = {}
 
@@ -382,6 +397,21 @@ class Bridges:
         bridge.connect()
         self._bridges[key] = bridge
         return bridge, False
+
+    def hold(self, agent: str, size: int) -> bool:
+        """Count ``size`` bytes of kernel messages kept for ``agent``'s websockets, if its share and the total allow."""
+        if self._held.get(agent, 0) + size > self.bytes_per_agent or self._held_total + size > self.bytes_total:
+            return False
+        self._held[agent] = self._held.get(agent, 0) + size
+        self._held_total += size
+        return True
+
+    def release(self, agent: str, size: int) -> None:
+        self._held[agent] = self._held.get(agent, 0) - size
+        self._held_total -= size
+
+    def held(self, agent: str) -> int:
+        return self._held.get(agent, 0)
 
     def of_agent(self, agent: str) -> int:
         return sum(1 for b in self._bridges.values() if b.agent == agent)

@@ -36,7 +36,8 @@ class JupyterAPI:
         # Per-agent shares and totals (the Gateway settings): websockets and Jupyter sessions.
         self.shares = shares
         self.bridges = Bridges(sessions) if shares is None else Bridges(
-            sessions, shares.max_websockets_per_agent, shares.max_websockets_total)
+            sessions, shares.max_websockets_per_agent, shares.max_websockets_total,
+            shares.max_websocket_bytes_per_agent, shares.max_websocket_bytes_total)
         self.notebook_session_id = notebook_session_id
         self.started = time.time()
         self.url: str | None = None  # http://127.0.0.1:PORT/ once the TCP listener is up

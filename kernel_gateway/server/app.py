@@ -42,7 +42,8 @@ ROUTE_MODULES = [openapi_routes, session_routes, tool_routes, notebook_routes, l
 JUPYTER_PORT_RETRIES = 50  # as Jupyter Server's port_retries
 # The per-agent shares and totals of the shared pools, shown in GET /v1/info (limits).
 SHARE_SETTINGS = (
-    "max_websockets_per_agent", "max_websockets_total", "max_jupyter_sessions_per_agent",
+    "max_websockets_per_agent", "max_websockets_total", "max_websocket_bytes_per_agent", "max_websocket_bytes_total",
+    "max_jupyter_sessions_per_agent",
     "max_jupyter_sessions_total", "max_queued_jobs_per_agent", "max_queued_jobs_total", "max_jobs_per_agent",
     "max_job_env_size", "max_job_record_size", "kernel_log_max_bytes",
 )

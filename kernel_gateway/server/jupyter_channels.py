@@ -64,6 +64,7 @@ class ChannelsHandler(websocket.WebSocketHandler, BaseHandler):
         self.bridge: Any = None
         self.protocol: str | None = None
         self._notices_pending = 0
+        self._not_reading = False  # closed for letting its share of unsent messages fill
 
     def set_default_headers(self) -> None:
         self.set_header("Cache-Control", "no-store")  # (no JSON Content-Type on a 101; errors set their own)
@@ -116,20 +117,40 @@ class ChannelsHandler(websocket.WebSocketHandler, BaseHandler):
             await self.bridge.nudge()
 
     def deliver(self, channel: str, parts: list) -> Any:
-        """One kernel message to this websocket, in its protocol; the write's future, or None."""
+        """One kernel message to this websocket, in its protocol; the write's future, or None.
+
+        Until the client has read it, the message is held in the gateway's memory: it counts
+        against the agent's share of those bytes, and a client that lets it fill is closed.
+        """
+        bridges, size = self.core.jupyter.bridges, sum(len(p) for p in parts)
+        if self._not_reading:
+            return None
+        if not bridges.hold(self.agent, size):
+            self._not_reading = True
+            log.warning("kernel websocket of agent %s closed: its client is not reading (%d bytes held)",
+                        self.agent, bridges.held(self.agent))
+            self.close(1008, "not reading: past this agent's share of unsent kernel messages")
+            return None
+        future = None
         try:
             if self.protocol == V1:
-                return self.write_message(serialize_msg_to_ws_v1(parts, channel), binary=True)
-            msg = _unpack(parts)
-            msg["channel"] = channel
-            if msg["buffers"]:
-                return self.write_message(serialize_binary_message(msg), binary=True)
-            return self.write_message(json.dumps(msg, default=json_default))
+                future = self.write_message(serialize_msg_to_ws_v1(parts, channel), binary=True)
+            else:
+                msg = _unpack(parts)
+                msg["channel"] = channel
+                if msg["buffers"]:
+                    future = self.write_message(serialize_binary_message(msg), binary=True)
+                else:
+                    future = self.write_message(json.dumps(msg, default=json_default))
         except websocket.WebSocketClosedError:
             pass
         except (ValueError, TypeError, KeyError) as e:
             log.warning("kernel %s sent a message that could not be relayed: %s", self.kernel_id, e)
-        return None
+        if future is None:
+            bridges.release(self.agent, size)
+        else:
+            future.add_done_callback(lambda _f: bridges.release(self.agent, size))
+        return future
 
     def gone(self) -> None:
         try:
