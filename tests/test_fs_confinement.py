@@ -359,24 +359,24 @@ def test_a_folder_of_120000_files_is_listed_off_the_loop_and_capped(gw, alice):
 
 
 def test_one_agent_cannot_take_every_worker(gw, alice):
-    """Twelve slow GETs at once from alice: past her share (2 running, 8 waiting) they are refused
+    """Forty slow GETs at once from alice: past her share (2 running, 32 waiting) they are refused
     with 429 agent_busy, and bob's contents are served meanwhile."""
     nb = os.path.join(tree(gw), "user-files", "mid.ipynb")
-    _big_notebook(nb, megabytes=5)
+    _big_notebook(nb, megabytes=2)
     token = gw.client.call("POST", "/v1/agents/bob/tokens")[1]
     bob = JupyterClient(token["url"], token["token"])
     results: list = []
     readers = [threading.Thread(target=lambda: results.append(alice.call("GET", "api/contents/user-files/mid.ipynb")))
-               for _ in range(12)]
+               for _ in range(40)]
     for reader in readers:
         reader.start()
     status, body = bob.call("GET", "api/contents")
     assert status == 200 and body["type"] == "directory"
-    assert len([s for s, _ in results if s == 200]) < 12  # served while alice's were still being read
+    assert len([s for s, _ in results if s == 200]) < 40  # served while alice's were still being read
     for reader in readers:
         reader.join(600)
     statuses = sorted(status for status, _ in results)
-    assert set(statuses) <= {200, 429} and statuses.count(429) >= 1, statuses
+    assert set(statuses) <= {200, 429} and statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
     refused = next(body for status, body in results if status == 429)
     assert refused["error"]["code"] == "agent_busy"
 

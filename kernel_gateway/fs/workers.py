@@ -29,7 +29,7 @@ from ..errors import GatewayError
 
 THREADS = 8
 PER_AGENT = 2
-PER_AGENT_WAITING = 8
+PER_AGENT_WAITING = 32  # JupyterLab opens a dozen contents requests at once: they wait, not fail
 MAX_WAITING = 256
 
 
