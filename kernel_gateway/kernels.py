@@ -28,7 +28,7 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.session import Session
 from traitlets.config import Config
 
-from . import variables
+from . import json_input, variables
 from .execution import bound_iopub
 from .kernel_output import KernelOutput
 from .provisioner import kernelspec_dict
@@ -69,6 +69,49 @@ def write_kernelspec(state_dir: str) -> str:
         json.dump(spec, f, indent=1)
     copy_logos(spec_dir)
     return kernels
+
+
+
+KERNEL_PART_MAX = 64 << 20  # one JSON part of a kernel message, as the gateway's clients read it
+
+
+def dropped_message(reason: str) -> dict:
+    """What a gateway client gets in place of a kernel message it could not read: no one waits for it."""
+    header = {"msg_id": "", "msg_type": "gateway_dropped", "session": "", "username": "", "date": None, "version": ""}
+    return {"header": header, "msg_id": "", "msg_type": "gateway_dropped", "parent_header": {}, "metadata": {},
+            "content": {"reason": reason[:200]}, "buffers": []}
+
+
+def bound_session(session: Session) -> Session:
+    """Make ``session`` read a kernel's messages with the bounded parser, and drop what it refuses.
+
+    jupyter_client unpacks each part with ``json.loads``, unbounded: a kernel's
+    10^5-deep header raised RecursionError out of ``get_iopub_msg``, a 500
+    for the execute and the end of the kernel's iopub watcher.  Here every
+    part goes through :mod:`kernel_gateway.json_input`, and a message that
+    cannot be read (a bad signature, too deep or large, parts that are not
+    objects, no ``msg_id``) becomes :func:`dropped_message`, which matches no
+    request and no status the readers look for.
+    """
+    deserialize = session.deserialize
+
+    def unpack(data: Any) -> Any:
+        return json_input.loads(data, max_bytes=KERNEL_PART_MAX, what="a kernel message part")
+
+    def bounded_deserialize(msg_list: list, content: bool = True, copy: bool = True) -> dict:
+        try:
+            msg = deserialize(msg_list, content=content, copy=copy)
+            if not all(isinstance(msg[k], dict) for k in ("header", "parent_header", "metadata")) or (
+                    content and not isinstance(msg["content"], dict)):
+                raise ValueError("a part of the message is not an object")
+            return msg
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            log.debug("a kernel message was dropped: %s", e)
+            return dropped_message(str(e))
+
+    session.unpack = unpack
+    session.deserialize = bounded_deserialize
+    return session
 
 
 @dataclass
@@ -175,6 +218,7 @@ class Kernel:
             await km.start_kernel(cwd=cwd, stdout=output.write_fd, stderr=output.write_fd)
             output.start()
             kc = km.client()
+            bound_session(kc.session)  # (each client has a session of its own: each is bounded)
             bound_iopub(kc)  # a flooding kernel must not fill the gateway's memory through ZMQ's queue
             kc.start_channels()
             kernel = cls(km, kc, output, agent=agent)
@@ -232,7 +276,7 @@ class Kernel:
         Sharing the manager's session object between two clients that send on
         shell makes ipykernel stop publishing for the first one's requests.
         """
-        session = Session(key=self.km.session.key, signature_scheme=self.km.session.signature_scheme)
+        session = bound_session(Session(key=self.km.session.key, signature_scheme=self.km.session.signature_scheme))
         client = self.km.client(session=session)
         if channels.get("iopub", True):
             bound_iopub(client)  # every iopub reader of the gateway is bounded, not only the executor's
@@ -243,6 +287,7 @@ class Kernel:
 
     def _start_watching(self) -> None:
         self._watch = self.km.client()
+        bound_session(self._watch.session)
         bound_iopub(self._watch)  # a flood must not queue up in the watcher's socket either
         self._watch.start_channels(shell=False, iopub=True, stdin=False, hb=False, control=False)
         self._watch_task = asyncio.ensure_future(self._watch_iopub())

@@ -99,3 +99,30 @@ def test_deep_and_huge_values_are_still_listed_and_previewed(gw):
     status, body = gw.client.execute("bob", "s1", "'bob served'")
     assert status == 200 and body["text"] == "'bob served'\n", body
     gw.client.call("DELETE", "/v1/agents/alice/sessions/real")
+
+
+# The kernel sends a raw iopub message, signed as itself, with one part the gateway must not trust.
+RAW_IOPUB_PART = """
+k = get_ipython().kernel
+s = k.session
+msg = s.msg("stream", {"name": "stdout", "text": "x"}, parent=k.get_parent("shell"))
+parts = [s.pack(msg["header"]), s.pack(msg["parent_header"]), b"{}", s.pack(msg["content"])]
+parts[WHICH] = PART
+k.iopub_socket.send_multipart([b"raw", b"<IDS|MSG>", s.sign(parts)] + parts)
+print("after the raw message")
+"""
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+@pytest.mark.parametrize("part", ["b'[' * 100000", "b'[1, 2]'", "b'{\"a\": NaN}'", "b'\\\\xff'"])
+def test_a_kernel_message_the_gateway_cannot_read_is_dropped_not_a_500(gw, which, part):
+    """Header, parent, metadata or content 10^5 deep, not an object, NaN or not UTF-8: the executor,
+    the kernel's watcher and the variables probe read every part bounded and drop such a message."""
+    code = RAW_IOPUB_PART.replace("WHICH", str(which)).replace("PART", part)
+    status, body = gw.client.execute("alice", "raw", code)
+    assert status == 200 and body["status"] == "ok" and "after the raw message" in body["text"], body
+    status, body = gw.client.execute("alice", "raw", "6 * 7")
+    assert status == 200 and body["text"] == "42\n", body
+    status, listing = gw.client.call("GET", "/v1/agents/alice/sessions/raw/variables")
+    assert status == 200, listing
+    assert gw.client.call("GET", "/v1/info", timeout=10)[0] == 200
