@@ -258,9 +258,16 @@ def openat2(dir_fd: int, rel: str, flags: int, mode: int = 0,
 
 
 def open_in_root(root, path, flags, mode=0o644, cwd=None) -> int:
-    """An fd for `path` opened beneath `root`; no symlink can take it outside."""
+    """An fd for `path` opened beneath `root`; no symlink can take it outside.
+
+    Symlinks inside the tree are followed (the agent's own links are part of
+    its tree); writers of the gateway's own files use :func:`open_nofollow`.
+    Always ``O_NONBLOCK | O_NOCTTY``: a FIFO or a terminal never holds the caller.
+    """
     root = os.fspath(root)
     parts = _relative_parts(root, path, cwd)
+    if not flags & os.O_PATH:  # openat2 refuses any other flag beside O_PATH
+        flags |= os.O_NONBLOCK | os.O_NOCTTY
     if _OPENAT2 is not None:
         root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
