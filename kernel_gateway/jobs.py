@@ -412,7 +412,7 @@ class JobManager:
             if job.applied is not None:
                 raise conflict(f"job {job_id} was applied already", "run a new job for a new change",
                                code="already_applied")
-            data, _ = self.patch_bytes(agent, job_id)
+            data, _ = await asyncio.to_thread(self.patch_bytes, agent, job_id)  # reading and hashing it: not on the loop
             result = await job_runner.apply_patch(self._context(job), job, data)
             job.applied = time.time()
             self.store.save(job)
