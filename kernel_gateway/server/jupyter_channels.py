@@ -164,7 +164,7 @@ class ChannelsHandler(websocket.WebSocketHandler, BaseHandler):
         try:
             channel, msg_list = self._decode(message)
         except MalformedFrame as e:
-            log.info("malformed websocket frame refused: %s", e)
+            log.debug("malformed websocket frame refused: %s", e)  # (a flood of them is no flood of log lines)
             self.refuse(e)
             return
         self.bridge.send(channel, msg_list)
