@@ -100,12 +100,9 @@ class Core:
                 folder = None  # not a notebook of this agent: the session's own directory, below
             if folder is not None and folder.is_dir():
                 return str(folder)
-        directory = os.path.join(root, "sessions", workspace.session_dirname(session))
-        try:
-            fs.mkdirs_in_root(root, directory)
-        except fs.PathOutsideRoot as e:
-            raise GatewayError(403, "outside_workspace", str(e)) from None
-        return directory
+        # The directory its kernel will get, made the same way (no symlink followed; a FIFO or a
+        # file the agent put there is a 409, as for an execute in that session).
+        return workspace.make_session_dir(self.settings.root, agent, session)
 
     def command_profile(self, agent: str) -> dict:
         """The agent's command profile with the Agent Library's read-only binds added."""

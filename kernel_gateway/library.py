@@ -541,8 +541,13 @@ class Library:
                                f"disable it instead: PATCH /v1/agents/{agent}/skills/{name} {{\"enabled\": false}}")
         check_skill_files(name, files)
         top = self.agent_root(agent)
-        created = wp.lstat_in_root(top, f"{SKILLS_DIR}/{name}") is None
-        self._install_files(top, name, files)
+        try:
+            created = wp.lstat_in_root(top, f"{SKILLS_DIR}/{name}") is None
+            self._install_files(top, name, files)
+        except wp.PathOutsideRoot as e:  # installed-skills is not the plain directory it was made as
+            raise conflict(f"{SKILLS_DIR} of agent {agent!r} cannot be written ({e})",
+                           "restart the gateway or re-create the agent (PUT /v1/agents/...) to repair it",
+                           code="library_broken") from None
         return self.skill(agent, name), created
 
     def set_enabled(self, agent: str, name: str, enabled: bool) -> dict:

@@ -254,6 +254,7 @@ class Sessions:
         previous, session.status = session.status, "starting"
         try:
             await asyncio.to_thread(workspace.make_session_dir, self.settings.root, session.agent, session.id)
+            await asyncio.to_thread(workspace.require_enterable, self.settings.root, session.agent, session.cwd)
             kernel = await self.pool.start(
                 session.agent, cwd=session.cwd, session_dir=session.directory, session=session.id,
                 kernel_id=kernel_id,

@@ -22,7 +22,7 @@ import os
 import re
 
 from .errors import GatewayError, bad_request
-from .fs import PathOutsideRoot, make_dirs_nofollow, open_nofollow
+from .fs import PathOutsideRoot, make_dirs_nofollow, open_nofollow, search_denied
 
 AGENT_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 DOCUMENTS = ("SOUL.md", "MISSION.md", "DESIGN.md")
@@ -97,6 +97,25 @@ def make_dirs_in_agent_tree(top: str, path: str) -> None:
             409, "not_a_directory", f"cannot create {path!r} in the agent's tree: a part of it is a file",
             "remove or rename that file",
         ) from None
+
+
+def require_enterable(root: str, agent: str, folder: str) -> None:
+    """Refuse (403) a kernel's working directory that the agent's own uid cannot enter.
+
+    The kernel runs as that uid: in a folder the agent made unreachable (``chmod 000``, on
+    the folder or one above it) it dies while starting, which is the agent's doing, not a
+    gateway fault.
+    """
+    try:
+        denied = search_denied(agent_root(root, agent), folder)
+    except (PathOutsideRoot, OSError):
+        return  # not beneath the root, or gone: the sandbox resolves it as the agent
+    if denied is not None:
+        raise GatewayError(
+            403, "folder_not_accessible",
+            f"the agent cannot enter {denied!r} (its mode lacks the search permission), so no kernel can start there",
+            f"give it back (chmod u+x {denied}), or start the kernel in another folder",
+        )
 
 
 def make_session_dir(root: str, agent: str, session: str) -> str:

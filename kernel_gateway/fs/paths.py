@@ -212,6 +212,41 @@ def _walk(root: str, parts: list[str], follow_final: bool = True, create_dirs: b
         raise
 
 
+def search_denied(root, path) -> str | None:
+    """The first directory from `root` down to `path` that the root's owner may not enter.
+
+    A kernel runs as that owner (the agent's uid) in `path`: where a directory on the way
+    lacks the search permission for it (the agent's own ``chmod 000``) the kernel dies while
+    starting.  Links inside the tree are followed as the sandbox would; only modes are
+    read, by descriptor.  Returns the directory relative to the root, or None (also for a
+    path that does not exist, or that is not a directory: left to other checks).
+    """
+    root = os.fspath(root)
+    fds, name, resolved, exists = _walk(root, _relative_parts(root, path, None))
+    try:
+        if not exists:
+            return None
+        owner = os.fstat(fds[0])
+        steps = [(fd, "/".join(resolved[:i])) for i, fd in enumerate(fds)]
+        if name:
+            steps.append((None, "/".join(resolved)))
+        for fd, shown in steps:
+            info = os.fstat(fd) if fd is not None else os.stat(name, dir_fd=fds[-1], follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode):
+                return None
+            if info.st_uid == owner.st_uid:
+                bit = stat.S_IXUSR
+            elif info.st_gid == owner.st_gid:
+                bit = stat.S_IXGRP
+            else:
+                bit = stat.S_IXOTH
+            if not info.st_mode & bit:
+                return shown or "."
+        return None
+    finally:
+        _close_all(fds)
+
+
 def _fold_tail(root, parts, resolved, todo) -> list[str]:
     """Past a missing directory nothing is a symlink: fold the rest lexically."""
     out = list(resolved)
@@ -881,6 +916,7 @@ __all__ = [
     "SymlinkRefused",
     "check_path_text",
     "resolve_in_root",
+    "search_denied",
     "openat2",
     "open_in_root",
     "mkdirs_in_root",
