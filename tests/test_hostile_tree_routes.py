@@ -12,9 +12,10 @@ odd names (newline, CR, non-UTF-8 bytes, leading dashes, 255-byte names, ``..`` 
 and links out, and session directories swapped for links out, FIFOs and files.  What the
 sandbox cannot make is planted from the host as root and said so where it is planted: 8 GiB
 sparse files (past the sandbox's file-size limit), and checkpoints inside the read-only
-Library.  A third agent, ``carol``, gets its top-level entries swapped (``.kernel-gateway``
-and ``jobs/*/skills`` for links, the Library's documents and ``installed-skills`` for links
-and FIFOs: the last ones from the host, since they are read-only binds in every sandbox).
+Library.  A third agent, ``dave``, swaps its top-level entries from its sandbox
+(``.kernel-gateway`` and each job's ``skills/`` for links, a finished job's ``from`` for a
+link out), and a fourth, ``carol``, has the Library's documents and ``installed-skills``
+swapped for links and a FIFO from the host (they are read-only binds in every sandbox).
 
 Every route family that takes a path is then called with those paths: ``read_file``,
 ``apply_patch`` (``*** Add/Update/Delete File``, ``*** Move to``, ``cwd``), notebooks (every
@@ -30,13 +31,13 @@ Each test (one route family on one transport) fails on:
 - any 5xx, or a request left unanswered for 60 s;
 - any response carrying a canary of the host (the canary files, the line of ``/etc/shadow``,
   the state directory's canary, a variable of the gateway's own environment) or bob's;
-- any change on the host outside alice's and carol's trees: content, mode, owner and mtime
+- any change on the host outside the attackers' trees: content, mode, owner and mtime
   of the canary directory, of bob's tree, of alice's Library, of the state directory's
   files, of ``/etc/shadow`` and ``/etc/passwd``; the mode and owner of ``/``, ``/etc``,
   ``/root``, ``/tmp`` and the state directory; and a file named ``kg-hostile*`` (every
   name this test writes) appearing in any of them;
-- a canary copied into alice's or carol's tree (a host-side read that landed in the tree);
-- anything in alice's or carol's tree that became root-owned (only the Library's documents
+- a canary copied into an attacker's tree (a host-side read that landed in the tree);
+- anything in an attacker's tree that became root-owned (only the Library's documents
   and skills were root's before the attack, as the README says);
 - a stall of the control socket past ``CONTROL_BOUND`` seconds.
 
@@ -78,6 +79,7 @@ DEEP = 4000  # nested folders under user-files/h/deep
 BIG_DIR_FILES = 50_000
 HUGE = 8 << 30  # host-planted sparse files: past the sandbox's 1 GiB file-size limit
 ARTIFACT_MIME = "application/vnd.kernel-gateway.artifact+json"
+ATTACKERS = ("alice", "carol", "dave")  # bob is the victim: nothing is asked in his name
 MARK = "kg-hostile"  # every name this test asks the gateway to write starts with it
 PAYLOAD = "KG-HOSTILE-PAYLOAD"
 H = "user-files/h"
@@ -224,8 +226,8 @@ os.symlink(p["host"], os.path.join(".kernel-gateway", "commands"))
 print("planted")
 """
 
-# Runs inside carol's command sandbox: top-level swaps an agent can make.
-PLANT_CAROL = r"""
+# Runs inside dave's command sandbox: top-level swaps an agent can make.
+PLANT_DAVE = r"""
 import os, sys
 host = sys.argv[1]
 os.symlink("installed-skills", ".kernel-gateway")
@@ -235,7 +237,7 @@ with open("user-files/proj/a.txt", "w") as f:
 print("planted")
 """
 
-# Runs in carol's command sandbox while her jobs are submitted: swaps each job's skills/ for a link.
+# Runs in dave's command sandbox while his jobs are submitted: swaps each job's skills/ for a link.
 SKILLS_RACER = r"""
 import os, sys, time
 host = sys.argv[1]
@@ -492,12 +494,13 @@ class Hostile:
             del os.environ["KG_HOSTILE_ENV_CANARY"]
         with open(os.path.join(self.gw.state, "canary.txt"), "w") as f:
             f.write(self.canary["state"] + "\n")
-        for agent in ("alice", "bob", "carol"):
+        for agent in ("alice", "bob", "carol", "dave"):
             assert self.gw.client.call("PUT", f"/v1/agents/{agent}")[0] == 201
-        self.uid = {a: os.stat(self.agent_root(a)).st_uid for a in ("alice", "bob", "carol")}
+        self.uid = {a: os.stat(self.agent_root(a)).st_uid for a in ("alice", "bob", "carol", "dave")}
         self._plant_bob()
         self._plant_alice()
         self._plant_carol()
+        self.command("dave", [sys.executable, "-c", PLANT_DAVE, self.host])
         self.shadow_line = open("/etc/shadow").readline().strip() if os.path.exists("/etc/shadow") else None
         token = self.gw.client.call("POST", "/v1/agents/alice/tokens")[1]
         url = urllib.parse.urlparse(token["url"])
@@ -507,7 +510,7 @@ class Hostile:
             "tcp": Transport("tcp", None, "alice", (url.hostname, url.port, token["token"])),
         }
         self.before = self.host_snapshot()
-        self.root_owned_before = {a: self.root_owned(a) for a in ("alice", "carol")}
+        self.root_owned_before = {a: self.root_owned(a) for a in ATTACKERS}
         self.prober = Prober(self.gw.socket)
         self.prober.start()
 
@@ -580,7 +583,6 @@ class Hostile:
             f.write("old\n")
 
     def _plant_carol(self) -> None:
-        self.command("carol", [sys.executable, "-c", PLANT_CAROL, self.host])
         root = self.agent_root("carol")
         # From the host as root: the Library's documents and installed-skills are read-only
         # binds in every sandbox, so only the host can swap them.
@@ -697,7 +699,7 @@ class Hostile:
             problems.append(f"the control socket stalled: GET /v1/info took {worst:.2f}s (bound {CONTROL_BOUND}s)")
         after = self.host_snapshot()
         problems += self.host_changes(self.before, after)
-        for agent in ("alice", "carol"):
+        for agent in ATTACKERS:
             owned, leaks = self.walk_agent_tree(agent)
             became = owned - self.root_owned_before[agent]
             if became:
@@ -742,7 +744,7 @@ class Hostile:
             # The deep chain is past what shutil.rmtree's recursion reaches (pytest's clean-up of
             # old temporary folders would fail on it): rm -rf it here.
             # Job workspaces may hold copies of it too.
-            for agent in ("alice", "carol"):
+            for agent in ATTACKERS:
                 for where in (os.path.join(H, "deep"), "jobs"):
                     subprocess.run(["rm", "-rf", "--one-file-system", os.path.join(self.agent_root(agent), where)],
                                    check=False)
@@ -1163,21 +1165,53 @@ def test_jupyter_sessions_and_kernels(hostile, transport):
 
 
 def test_swapped_top_level(hostile):
-    """carol's .kernel-gateway is a link to her Library, and each job's skills/ is swapped as it is made."""
+    """dave's .kernel-gateway is a link to his Library, and each job's skills/ is swapped as it is made."""
     call = Calls(hostile, "control")
-    call("POST", "/v1/agents/carol/commands", {"argv": ["/bin/sh", "-c", f"yes {PAYLOAD} | head -c 300000"], "timeout": 30},
-         label="carol command output spill through .kernel-gateway -> installed-skills")
-    racer = threading.Thread(target=lambda: call("POST", "/v1/agents/carol/commands",
-                                                 {"argv": [sys.executable, "-c", SKILLS_RACER, hostile.host, "8"],
-                                                  "timeout": 60}, label="skills racer"))
+    status, body = call("POST", "/v1/agents/dave/commands",
+                        {"argv": ["/bin/sh", "-c", f"yes {PAYLOAD} | head -c 300000"], "timeout": 30},
+                        label="dave command output spill through .kernel-gateway -> installed-skills")
+    spilled = json.loads(body) if status == 200 else {}
+    raced = []
+    racer = threading.Thread(target=lambda: raced.append(call(
+        "POST", "/v1/agents/dave/commands", {"argv": [sys.executable, "-c", SKILLS_RACER, hostile.host, "8"],
+                                             "timeout": 60}, label="skills racer")))
     racer.start()
     ids = []
     for _ in range(3):
-        status, body = call("POST", "/v1/agents/carol/jobs", {"kind": "command", "from": "user-files/proj",
-                                                               "argv": ["/bin/true"]}, label="carol job")
+        status, body = call("POST", "/v1/agents/dave/jobs", {"kind": "command", "from": "user-files/proj",
+                                                              "argv": ["/bin/true"]}, label="dave job")
         if status == 201:
             ids.append(json.loads(body)["id"])
     for job_id in ids:
-        call("GET", f"/v1/agents/carol/jobs/{job_id}?wait=1", label=f"carol job wait {job_id}")
+        call("GET", f"/v1/agents/dave/jobs/{job_id}?wait=1", label=f"dave job wait {job_id}")
     racer.join(90)
     call.judge("swapped top level")
+    # Both attacks really ran: the output was past the limit, and the racer ran its course.
+    assert spilled.get("exit_code") == 0 and spilled.get("truncated"), spilled
+    assert raced and raced[0][0] == 200 and json.loads(raced[0][1])["exit_code"] == 0, raced
+
+
+def test_job_apply_after_from_swapped(hostile):
+    """A job's ``from`` swapped, once the job has ended, for a link to a host folder or to bob's: apply writes nothing there."""
+    call = Calls(hostile, "control")
+    status, body = call("POST", "/v1/agents/dave/jobs", {
+        "kind": "command", "from": "user-files/proj",
+        "argv": ["/bin/sh", "-c", f"echo {PAYLOAD} > a.txt; echo {PAYLOAD} > {MARK}-new.txt"]}, label="dave job")
+    assert status == 201, body
+    job_id = json.loads(body)["id"]
+    assert wait_until(lambda: json.loads(call("GET", f"/v1/agents/dave/jobs/{job_id}", label="job")[1])["state"]
+                      not in ("queued", "running"), 60, 0.5)
+    bob_proj = os.path.join(hostile.agent_root("bob"), "user-files", "proj")
+    for target in (hostile.host, bob_proj, "../../bob/user-files/proj"):
+        status, body = call("POST", "/v1/agents/dave/commands", {"argv": [
+            "/bin/sh", "-c", f"rm -f user-files/proj; [ -d user-files/proj.orig ] || mv user-files/proj user-files/proj.orig;"
+                             f" ln -s {target} user-files/proj"]}, label=f"swap from for a link to {target}")
+        assert status == 200 and json.loads(body)["exit_code"] == 0, body
+        call("POST", f"/v1/agents/dave/jobs/{job_id}/apply", {}, label=f"job apply with from a link to {target}")
+    call("POST", "/v1/agents/dave/commands", {"argv": ["/bin/sh", "-c", "rm user-files/proj && mv user-files/proj.orig "
+                                                                         "user-files/proj"]}, label="from restored")
+    status, body = call("POST", f"/v1/agents/dave/jobs/{job_id}/apply", {}, label="job apply with from restored")
+    call.judge("job apply")
+    assert status == 200, body  # the same job applies where it belongs
+    with open(os.path.join(hostile.agent_root("dave"), "user-files", "proj", "a.txt")) as f:
+        assert f.read() == PAYLOAD + "\n"
