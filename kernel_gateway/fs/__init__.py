@@ -16,8 +16,10 @@ in :mod:`.paths`:
 - what the gateway creates there belongs to the owner of the agent root
   (the agent's uid).
 
-:mod:`.workers` runs that work off the event loop, within a per-agent share
-of a pool of threads of its own.
+:mod:`.ownership` hands a tree to its agent's uid the first time
+(``own_tree``); :mod:`.workers` runs agent-sized work off the event loop,
+within a per-agent share of a pool of threads of its own
+(``BaseHandler.off_loop`` is how handlers reach it).
 """
 
 from .paths import *  # noqa: F401,F403  (the layer's API: see paths.__all__)
