@@ -689,3 +689,93 @@ class NotAHandler:
         "Docs.post (async def): library.files_from_tar_gz()",
         "Nested.put (async def): self.contents().delete()",  # sneaky() runs on the loop; save() is handed off
     ], offences
+
+
+# --- no spawn outside the one launcher ----------------------------------------------------
+#
+# Every process the gateway starts for an agent is a sandbox, and sandbox/launch.py starts it:
+# prepare() compiles the profile and the spawn helper's argv, spawn() and run_to_end() exec it with
+# the fixed host environment and no preexec_fn.  Elsewhere only processes of the operator's own
+# making may start, each named here with why.
+
+LAUNCHER = "sandbox/launch.py"
+SUBPROCESS_CALLS = {"Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"}
+OS_SPAWN_CALLS = {
+    "system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp",
+    "execv", "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe",
+    "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
+}
+ASYNC_SPAWN_CALLS = {"create_subprocess_exec", "create_subprocess_shell", "subprocess_exec", "subprocess_shell"}
+SPAWN_ALLOWED = {
+    # jupyter_client's provisioner API wants a Popen it can poll: its argv and keyword arguments are
+    # the prepared sandbox's (launch.prepare, spawn_kwargs), the same exec spawn() makes.
+    ("provisioner.py", "SandboxedKernelProvisioner.launch_kernel"),
+    # The spawn helper's Python twin: it is the exec in front of bwrap (run by launch.trampoline).
+    ("sandbox/spawn_helper.py", "main"),
+    # Host tools with fixed argv and a fixed environment: the agent's disk image (mkfs, mount, losetup).
+    ("sandbox/quota.py", "_run"),
+    # `bwrap --version` for /v1/info, and doctor's probes: the operator's own commands, fixed argv.
+    ("server/app.py", "bwrap_version"),
+    ("doctor.py", "_run"),
+}
+
+
+def spawn_call(call: ast.Call) -> str | None:
+    func = call.func
+    if isinstance(func, ast.Attribute):
+        owner = func.value.id if isinstance(func.value, ast.Name) else ""
+        if owner == "subprocess" and func.attr in SUBPROCESS_CALLS:
+            return f"subprocess.{func.attr}()"
+        if owner == "os" and func.attr in OS_SPAWN_CALLS:
+            return f"os.{func.attr}()"
+        if owner == "pty" and func.attr in ("spawn", "fork"):
+            return f"pty.{func.attr}()"
+        if func.attr in ASYNC_SPAWN_CALLS:
+            return f"{func.attr}()"
+    elif isinstance(func, ast.Name) and func.id in (SUBPROCESS_CALLS - {"run", "call"}) | ASYNC_SPAWN_CALLS:
+        return f"{func.id}()"  # imported by name: from subprocess import Popen
+    return None
+
+
+def spawn_offences(sources: dict[str, str]) -> list[str]:
+    found = []
+    for path, text in sources.items():
+        if path == LAUNCHER:
+            continue
+        for node, where in scopes(ast.parse(text, path)):
+            what = spawn_call(node) if isinstance(node, ast.Call) else None
+            if what and (path, where) not in SPAWN_ALLOWED:
+                found.append(f"{path}:{node.lineno} in {where or '<module>'}: {what}")
+    return found
+
+
+def test_no_process_is_spawned_outside_the_one_launcher():
+    found = spawn_offences(package_sources())
+    assert not found, (
+        "processes are started by sandbox/launch.py only (prepare, then spawn or run_to_end), so each is a "
+        "sandbox from its first instruction with the fixed host environment:\n" + "\n".join(found)
+    )
+
+
+def test_the_spawn_allow_list_names_what_exists():
+    sources = package_sources()
+    seen = {(path, where) for path, text in sources.items() for node, where in scopes(ast.parse(text, path))
+            if isinstance(node, ast.Call) and spawn_call(node)}
+    assert SPAWN_ALLOWED <= seen, f"allowed but no longer spawning (remove them): {sorted(SPAWN_ALLOWED - seen)}"
+
+
+def test_the_spawn_guard_sees_each_way_to_start_a_process():
+    bad = {
+        "a.py": "import subprocess\nsubprocess.Popen(['sh'])\n",
+        "b.py": "import subprocess\ndef f():\n    subprocess.run(['sh'])\n",
+        "c.py": "import os\ndef f():\n    os.system('sh')\n",
+        "d.py": "import os\ndef f():\n    if os.fork() == 0:\n        os.execv('/bin/sh', ['sh'])\n",
+        "e.py": "import asyncio\nasync def f():\n    await asyncio.create_subprocess_exec('sh')\n",
+        "f.py": "from subprocess import Popen\nPopen(['sh'])\n",
+        "g.py": "import os\nos.posix_spawn('/bin/sh', ['sh'], {})\n",
+        "h.py": "async def f(loop):\n    await loop.subprocess_exec(object, 'sh')\n",
+        "doctor.py": "import subprocess\ndef elsewhere():\n    subprocess.run(['sh'])\n",  # allowed only in _run
+    }
+    found = spawn_offences(bad)
+    assert sorted({f.split(":")[0] for f in found}) == sorted(bad), found
+    assert not spawn_offences({LAUNCHER: bad["a.py"], "doctor.py": "import subprocess\ndef _run():\n    subprocess.run([])\n"})
