@@ -448,18 +448,29 @@ def bound_iopub(kc: Any) -> None:
     """
     import zmq
 
-    def connect_iopub(identity: bytes | None = None) -> Any:
+    with_socket_options(kc, "iopub", {zmq.RCVHWM: IOPUB_QUEUE, zmq.MAXMSGSIZE: IOPUB_MAX_FRAME})
+
+
+def with_socket_options(kc: Any, channel: str, options: dict[int, int]) -> None:
+    """Connect ``kc``'s ``channel`` socket (not yet connected) with these ZMQ options.
+
+    jupyter_client makes a channel's socket from its context's defaults, so the
+    options are set there for that one connect and the defaults put back after.
+    """
+    connect = getattr(type(kc), f"connect_{channel}")
+
+    def connect_with_options(identity: bytes | None = None) -> Any:
         context = kc.context
         saved = dict(context.sockopts)
-        context.setsockopt(zmq.RCVHWM, IOPUB_QUEUE)
-        context.setsockopt(zmq.MAXMSGSIZE, IOPUB_MAX_FRAME)
+        for option, value in options.items():
+            context.setsockopt(option, value)
         try:
-            return type(kc).connect_iopub(kc, identity)
+            return connect(kc, identity)
         finally:
             context.sockopts.clear()
             context.sockopts.update(saved)
 
-    kc.connect_iopub = connect_iopub
+    setattr(kc, f"connect_{channel}", connect_with_options)
 
 
 async def _next_iopub(kc: Any, timeout: float) -> dict | None:

@@ -46,6 +46,7 @@ from jupyter_client.asynchronous import AsyncKernelClient
 
 from kernel_gateway import json_input
 from kernel_gateway.errors import GatewayError, bad_request, not_found
+from kernel_gateway.execution import with_socket_options
 
 MAX_LIMIT = 10_000
 MAX_PREVIEW_CHARS = 1_000_000
@@ -399,17 +400,7 @@ def _answer(reply: Any) -> dict:
 
 def bound_inspector(kc: Any) -> None:
     """Make ``kc``'s shell socket (not yet connected) take no message over :data:`MAX_REPLY_BYTES`."""
-    def connect_shell(identity: bytes | None = None) -> Any:
-        context = kc.context
-        saved = dict(context.sockopts)
-        context.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        try:
-            return type(kc).connect_shell(kc, identity)
-        finally:
-            context.sockopts.clear()
-            context.sockopts.update(saved)
-
-    kc.connect_shell = connect_shell
+    with_socket_options(kc, "shell", {zmq.MAXMSGSIZE: MAX_REPLY_BYTES})
 
 
 async def _shell_reply(kc: AsyncKernelClient, msg_id: str, timeout: float, dropped: asyncio.Future) -> dict:
