@@ -214,6 +214,21 @@ for _ in range(300):
     os.chdir("d")
 os.mkfifo("fifo")
 os.chdir(here)
+# Folders holding only .ipynb_checkpoints (a folder Jupyter deletes whole): 3,000 levels deep,
+# and 20,000 files wide.
+cp("cpI", file=False); os.mkdir(at("cpI", ".ipynb_checkpoints"))
+here = os.getcwd()
+os.chdir(at("cpI", ".ipynb_checkpoints"))
+for _ in range(3000):
+    os.mkdir("d")
+    os.chdir("d")
+os.mkfifo("fifo")
+os.chdir(here)
+cp("cpJ", file=False); os.mkdir(at("cpJ", ".ipynb_checkpoints"))
+fd = os.open(at("cpJ", ".ipynb_checkpoints"), os.O_RDONLY | os.O_DIRECTORY)
+for i in range(20000):
+    os.close(os.open(f"x{i}-checkpoint.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+os.close(fd)
 # Session directories swapped for links out, a FIFO and a file.
 for name, target in p["session_links"].items():
     os.symlink(target, os.path.join("sessions", name))
@@ -745,7 +760,7 @@ class Hostile:
             # old temporary folders would fail on it): rm -rf it here.
             # Job workspaces may hold copies of it too.
             for agent in ATTACKERS:
-                for where in (os.path.join(H, "deep"), "jobs"):
+                for where in (os.path.join(H, "deep"), os.path.join(H, "cpI"), "jobs"):
                     subprocess.run(["rm", "-rf", "--one-file-system", os.path.join(self.agent_root(agent), where)],
                                    check=False)
 
@@ -1102,7 +1117,8 @@ def _jupyter_contents_calls(call: Calls, ctx: Hostile) -> None:
                      (f"{H}/sub/b.txt", DEEP_REL + f"{MARK}.txt"), (f"{H}/sub/b.txt", f"{H}/sub/b\n.txt")]:
         call("PATCH", call.api("contents/" + q(old)), {"path": new}, label=f"contents rename {old!r} -> {new[:80]!r}")
     for path in [f"{H}/{n}" for n in ("host/secret.txt", "host/dir", "bob-files/secret.txt", "etc/hostname",
-                                       "state/canary.txt", "cpA", "cpE", "cpF", "cpH", "fifo", "shadow.txt", "noperm",
+                                       "state/canary.txt", "cpA", "cpE", "cpF", "cpH", "cpI", "cpJ", "fifo",
+                                       "shadow.txt", "noperm",
                                        "proc-root/tmp", "root/.bashrc", "cpB/.ipynb_checkpoints/secret.txt")]:
         call("DELETE", call.api("contents/" + q(path)), label=f"contents DELETE {path!r}")
     call("DELETE", call.api("contents/" + q(DEEP_REL + "etc")), label="contents DELETE a link at the bottom of the deep chain")
