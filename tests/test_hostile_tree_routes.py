@@ -1231,3 +1231,30 @@ def test_job_apply_after_from_swapped(hostile):
     assert status == 200, body  # the same job applies where it belongs
     with open(os.path.join(hostile.agent_root("dave"), "user-files", "proj", "a.txt")) as f:
         assert f.read() == PAYLOAD + "\n"
+
+
+def test_top_level_folders_swapped(hostile):
+    """dave swaps his sessions/ and jobs/ folders for links to a host folder, then asks for kernels and jobs."""
+    call = Calls(hostile, "control")
+    for name, target in (("sessions", hostile.host), ("jobs", os.path.join(hostile.agent_root("bob"), "user-files"))):
+        status, body = call("POST", "/v1/agents/dave/commands", {"argv": [
+            "/bin/sh", "-c", f"mv {name} {name}.orig && ln -s {target} {name}"]}, label=f"swap {name}/ for a link")
+        assert status == 200 and json.loads(body)["exit_code"] == 0, body
+    call("POST", "/v1/agents/dave/sessions", {"session": f"{MARK}-s"}, label="session create")
+    call("POST", f"/v1/agents/dave/sessions/{MARK}-e/execute", {"code": "1", "timeout": 30}, label="execute")
+    call("POST", "/v1/agents/dave/commands", {"argv": ["/bin/true"], "session": f"{MARK}-c"}, label="command in a session")
+    call("POST", "/agents/dave/api/kernels", {"name": "python3"}, label="jupyter kernel")
+    call("POST", "/agents/dave/api/sessions", {"path": f"{MARK}.ipynb", "type": "notebook", "name": "n",
+                                                "kernel": {"name": "python3"}}, label="jupyter session")
+    status, body = call("POST", "/v1/agents/dave/jobs", {"kind": "command", "from": "user-files/proj",
+                                                          "argv": ["/bin/sh", "-c", f"echo {PAYLOAD} > {MARK}.txt"]},
+                        label="job with jobs/ a link to bob's files")
+    if status == 201:
+        job_id = json.loads(body)["id"]
+        wait_until(lambda: json.loads(call("GET", f"/v1/agents/dave/jobs/{job_id}", label="job")[1])["state"]
+                   not in ("queued", "running"), 60, 0.5)
+        call("DELETE", f"/v1/agents/dave/jobs/{job_id}", label="job delete")
+    call("PUT", "/v1/agents/dave", label="agent PUT over the swapped folders")
+    for session in (f"{MARK}-s", f"{MARK}-e"):
+        call("DELETE", f"/v1/agents/dave/sessions/{session}", label="session delete")
+    call.judge("top-level folders swapped")
