@@ -303,23 +303,35 @@ class Kernel:
                         self._died()
                         return
                     continue
+                except (ValueError, TypeError, RecursionError):  # a wrong signature, a part that is no JSON
+                    continue  # (read off the socket already): the kernel's message is skipped, not the watcher
                 self.last_activity = time.time()
-                if msg["header"].get("msg_type") == "execute_input":
-                    count = msg["content"].get("execution_count")
-                    if type(count) is int and 0 < count < MAX_EXECUTION_COUNT:  # the kernel's word: checked
-                        self.execution_count = count
-                elif msg["header"].get("msg_type") == "status":
-                    state = msg["content"].get("execution_state")
-                    if state in ("starting", "idle", "busy"):
-                        self.execution_state = state
-                    if state == "idle":
-                        self._idle_for.append(msg.get("parent_header", {}).get("msg_id", ""))
-                    self._state_changed.set()
-                    self._state_changed = asyncio.Event()
+                try:
+                    self._observe(msg)
+                except (AttributeError, TypeError, KeyError):  # parts of the wrong type: the kernel's word
+                    continue
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("kernel %s of agent %s: watching its iopub failed", self.id, self.agent)
+
+    def _observe(self, msg: dict) -> None:
+        """One iopub message: the execution count of a cell's input, the state of a status."""
+        msg_type = msg["header"].get("msg_type")
+        if msg_type == "execute_input":
+            count = msg["content"].get("execution_count")
+            if type(count) is int and 0 < count < MAX_EXECUTION_COUNT:  # the kernel's word: checked
+                self.execution_count = count
+        elif msg_type == "status":
+            state = msg["content"].get("execution_state")
+            if state in ("starting", "idle", "busy"):
+                self.execution_state = state
+            if state == "idle":
+                parent = msg.get("parent_header")
+                msg_id = parent.get("msg_id", "") if isinstance(parent, dict) else ""
+                self._idle_for.append(msg_id if isinstance(msg_id, str) else "")
+            self._state_changed.set()
+            self._state_changed = asyncio.Event()
 
     def _died(self) -> None:
         if self.execution_state == "dead":

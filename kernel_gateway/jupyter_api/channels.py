@@ -33,6 +33,7 @@ from jupyter_client.session import Session as ZMQSession
 
 from .. import json_input
 from ..errors import GatewayError
+from ..execution import with_socket_options
 from ..sessions import LIVE_STATES
 
 log = logging.getLogger("kernel_gateway.jupyter")
@@ -47,6 +48,10 @@ MAX_BRIDGES_PER_AGENT = 32  # --Gateway.max_websockets_per_agent
 HELD_BYTES_PER_AGENT = 64 << 20  # buffered or not yet written to a websocket (--Gateway.max_websocket_bytes_per_agent)
 HELD_BYTES = 512 << 20  # the same, every agent together (--Gateway.max_websocket_bytes_total)
 HEADER_MAX = 1 << 20  # a kernel message's header or status content, as read here (bounded, then parsed)
+# What each of a bridge's ZMQ sockets holds for the gateway (ZMQ reads ahead of the loop): a kernel that
+# sends faster than the loop relays loses what is past the queue, and a larger frame drops its connection.
+KERNEL_QUEUE = 16  # messages
+KERNEL_MAX_FRAME = 16 << 20  # bytes
 
 # deliver(channel, parts): parts are [header, parent_header, metadata, content, *buffers] (bytes).
 Deliver = Callable[[str, list], None]
@@ -101,6 +106,8 @@ class Bridge:
         )
         client = AsyncKernelClient(session=self.session)
         client.load_connection_info(info)
+        for channel in CHANNELS:  # the nudge's control socket too
+            with_socket_options(client, channel, {zmq.RCVHWM: KERNEL_QUEUE, zmq.MAXMSGSIZE: KERNEL_MAX_FRAME})
         identity = self.session.bsession
         self.sockets = {
             "shell": client.connect_shell(identity=identity),
