@@ -14,7 +14,7 @@ sandbox cannot make is planted from the host as root and said so where it is pla
 sparse files (past the sandbox's file-size limit), and checkpoints inside the read-only
 Library.  A third agent, ``dave``, swaps its top-level entries from its sandbox
 (``.kernel-gateway`` and each job's ``skills/`` for links, a finished job's ``from`` for a
-link out), and a fourth, ``carol``, has the Library's documents and ``installed-skills``
+link out, last its ``sessions/`` and ``jobs/`` for links out), and a fourth, ``carol``, has the Library's documents and ``installed-skills``
 swapped for links and a FIFO from the host (they are read-only binds in every sandbox).
 
 Every route family that takes a path is then called with those paths: ``read_file``,
@@ -28,7 +28,7 @@ and on the Jupyter TCP port with a token of the agent.  Meanwhile a prober threa
 
 Each test (one route family on one transport) fails on:
 
-- any 5xx, or a request left unanswered for 60 s;
+- any 5xx, or a request left unanswered for ``REQUEST_TIMEOUT`` (30 s);
 - any response carrying a canary of the host (the canary files, the line of ``/etc/shadow``,
   the state directory's canary, a variable of the gateway's own environment) or bob's;
 - any change on the host outside the attackers' trees: content, mode, owner and mtime
@@ -54,7 +54,6 @@ yet it catches the stalls of a blocked event loop (10 to 46 s: a FIFO opened on 
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import http.client
 import json
