@@ -72,6 +72,12 @@ class Upstream_:
                     self._chunk(auth[half:] + b" and again " + auth + b"\n\n")
                     self._chunk(b"")
                     return
+                if self.path == "/v1/echo-reason":  # a careless upstream: the credential in its reason phrase
+                    auth = owner.requests[-1]["headers"]["authorization"]
+                    self.send_response(401, f"Unauthorized: {auth}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path == "/v1/gzip":
                     self.send_response(200)
                     self.send_header("Content-Encoding", "gzip")
@@ -321,6 +327,9 @@ def test_the_credential_is_masked_in_what_comes_back_and_encoded_answers_refused
     assert REAL.encode() not in response and b"*" * len(REAL) in response
     assert response.lower().count(b"x-echo: bearer " + b"*" * len(REAL)) == 1
     assert upstream.requests[-1]["headers"]["accept-encoding"] == "identity"
+    response = _exchange(path, _request("POST", "/v1/echo-reason", b"{}"))
+    assert response.startswith(b"HTTP/1.1 401 Unauthorized: Bearer " + b"*" * len(REAL) + b"\r\n"), response
+    assert REAL.encode() not in response
     status, error = _error(_exchange(path, _request("POST", "/v1/gzip", b"{}")))
     assert (status, error["code"]) == (502, "upstream_encoded")
 

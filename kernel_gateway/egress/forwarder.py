@@ -380,7 +380,7 @@ class Forwarder:
                     headers = [(k, scrubber.mask(v)) for k, v in event.headers if k not in _RESPONSE_DROPPED]
                     headers.append((b"connection", b"close"))
                     writer.write(client.send(h11.Response(status_code=event.status_code, headers=headers,
-                                                          reason=event.reason)))
+                                                          reason=scrubber.mask(event.reason))))
                     started = True
                 elif isinstance(event, h11.Data):
                     data = scrubber.feed(bytes(event.data))  # as it comes: an event stream is never held whole
