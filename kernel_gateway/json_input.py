@@ -16,6 +16,7 @@ HTTP base (``server/base.py: parse_json``) turns it into 400 ``malformed_json``.
 from __future__ import annotations
 
 import json
+from itertools import chain, compress, repeat
 from typing import Any
 
 MAX_DEPTH = 64  # arrays and objects; deeper texts are refused, not recursed into
@@ -43,24 +44,31 @@ def loads(raw: bytes | str, *, max_bytes: int, what: str = "the body", max_depth
         raise JSONRefused(f"{what} is too large to decode") from None
     except (ValueError, UnicodeDecodeError, TypeError) as e:
         raise JSONRefused(f"{what} is not valid JSON: {e}") from None
-    todo = [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, (dict, list)):
-            if depth > max_depth:
-                raise JSONRefused(f"{what} is nested deeper than {max_depth} levels")
-            if isinstance(item, dict):
-                for key, inner in item.items():
-                    todo.append((key, depth))
-                    todo.append((inner, depth + 1))
-            else:
-                todo.extend((inner, depth + 1) for inner in item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise JSONRefused(f"{what} holds a string with a lone surrogate (\\ud800-\\udfff)") from None
+    _check_tree(value, what, max_depth)
     return value
+
+
+def _check_tree(value: Any, what: str, max_depth: int) -> None:
+    """Depth and lone surrogates, one level of the tree at a time, each level in C-speed passes.
+
+    A walk in Python, item by item, cost about 0.5 us per value: 4 to 5 s on the event loop for a
+    16 MiB body of ``[1,1,...]`` or ``[[],[],...]``, for every agent and the control socket.
+    """
+    level, depth = [value], 0
+    while level:
+        depth += 1  # ``level``: every value at this depth (the top one is at 1)
+        lists = list(compress(level, map(isinstance, level, repeat(list))))
+        dicts = list(compress(level, map(isinstance, level, repeat(dict))))
+        strings = list(chain(compress(level, map(isinstance, level, repeat(str))), chain.from_iterable(dicts)))
+        try:  # (joined with NUL, so that two lone halves cannot pair up; keys are strings too)
+            "\x00".join(strings).encode("utf-8")
+        except UnicodeEncodeError:
+            raise JSONRefused(f"{what} holds a string with a lone surrogate (\\ud800-\\udfff)") from None
+        if not lists and not dicts:
+            return
+        if depth > max_depth:
+            raise JSONRefused(f"{what} is nested deeper than {max_depth} levels")
+        level = list(chain(chain.from_iterable(lists), chain.from_iterable(map(dict.values, dicts))))
 
 
 def loads_object(raw: bytes | str, *, max_bytes: int, what: str = "the body") -> dict:
