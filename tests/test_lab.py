@@ -449,3 +449,17 @@ def test_the_relay_never_connects_through_a_link_jupyterlab_could_plant(tmp_path
     lab.settimeout(5)
     lab.accept()[0].close()
     target.close()
+
+
+def test_a_signal_while_lab_starts_stops_it_cleanly(gw, tmp_path):
+    """SIGTERM before the URL is printed: the command still stops Lab, its sandbox and runtime directory."""
+    dirs_before = lab_runtime_dirs()
+    proc = subprocess.Popen([os.path.join(BIN, "kernel-gateway"), "lab", "alice", "--socket", gw.socket, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Its runtime directory exists once it has passed its checks and is starting JupyterLab.
+    assert wait_until(lambda: lab_runtime_dirs() - dirs_before, timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopping JupyterLab" in err
+    assert wait_until(lambda: lab_runtime_dirs() == dirs_before, timeout=30)

@@ -289,6 +289,12 @@ async def run(args: argparse.Namespace) -> int:
         listener.close()
         raise
     port = listener.getsockname()[1]
+    # From here on a signal stops JupyterLab cleanly (its sandbox, cgroup and socket directory removed),
+    # also while it is still starting: it is waited for, then stopped.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, stop.set)
     runtime_dir = tempfile.mkdtemp(prefix="kg-lab-")
     lab = None
     try:
@@ -306,6 +312,9 @@ async def run(args: argparse.Namespace) -> int:
         lab = LabProcess(prepared, runtime_dir, secrets.token_urlsafe(32), owner)
         await lab.start()
         await lab.ready()
+        if stop.is_set():  # asked to stop while it started
+            print("kernel-gateway lab: stopping JupyterLab", file=sys.stderr, flush=True)
+            return 0
         forwarder = Forwarder(listener, lab.socket)
         await forwarder.start()
         url = f"http://{HOST}:{port}/lab?token={lab.token}"
@@ -313,10 +322,6 @@ async def run(args: argparse.Namespace) -> int:
         print(f"  open:  {url}", flush=True)
         print(f"  from another machine: ssh -L {port}:{HOST}:{port} THIS_HOST, then open the same URL there", flush=True)
         print("  Ctrl-C stops JupyterLab; the agent's kernels keep running", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.add_signal_handler(signum, stop.set)
         assert lab.process is not None
         ended = asyncio.ensure_future(lab.process.wait())
         stopped = asyncio.ensure_future(stop.wait())
