@@ -34,7 +34,7 @@ import platform
 import stat
 import uuid
 
-from ..errors import GatewayError
+from ..errors import GatewayError, disk_full
 
 # openat2 has the same number on every architecture using the unified syscall
 # table (x86_64, aarch64, arm, riscv, ppc, s390x, i386); elsewhere we walk.
@@ -564,6 +564,9 @@ _ERRNO_REFUSALS = {
 
 def refusal(err: OSError, path) -> GatewayError | None:
     """The clear 4xx (507 for a full disk) for an OSError of a call of this layer, or None."""
+    full = disk_full(err)  # the one 507, with its hint on the agent's disk quota
+    if full is not None:
+        return full
     known = _ERRNO_REFUSALS.get(err.errno)
     if known is None:
         return None
