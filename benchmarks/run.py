@@ -727,7 +727,7 @@ def targets(r: dict) -> dict:
         "gateway_kb_per_idle_session": target(r["gateway_rss_kb_per_idle_session"], "<=", 2048, "<= 2048"),
         "gateway_growth_mb_100mb_output": target(r["gateway_rss_growth_mb_100mb_output"], "<=", 64, "<= 64"),
         "command_overhead_p50_ms": target(r["command_overhead_ms"], "<=", 8, "<= 8"),
-        "cli_vs_python_start": target(r["cli_vs_python_start"], "<=", 1.6, "<= 1.6"),
+        "cli_vs_python_start": target(r["cli_vs_python_start"], "<=", 1.3, "<= 1.3"),
         "execute_rtt_with_busy_agent_vs_idle": target(r["cpu_fairness"]["ratio"], "<=", 2, "<= 2"),
         "ws_execute_rtt_p50_ms": target(r["ws_execute_rtt_ms"]["p50"], "<=", r["ws_bare_execute_rtt_ms"]["p50"] + 2,
                                         f"<= bare + 2 = {round(r['ws_bare_execute_rtt_ms']['p50'] + 2, 3)}"),
